@@ -1,0 +1,51 @@
+"""The in-memory dataset: one uint8 image tensor per split plus int64 labels.
+
+Every source (official files or the embedded digits) is decoded once into this form; batches are then
+taken by index (see :mod:`fedistill.data.pipeline`), so no per-client DataLoader or PIL image exists.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Dataset:
+    """Train and test splits of an image classification dataset held in memory.
+
+    ``train_x``/``test_x`` are uint8 tensors of shape (N, C, H, W); ``train_y``/``test_y`` are int64 (N,).
+    ``mean``/``std`` are the per-channel normalisation constants (on the [0, 1] scale) used by the
+    papers' pipelines.
+    """
+
+    name: str
+    train_x: torch.Tensor
+    train_y: torch.Tensor
+    test_x: torch.Tensor
+    test_y: torch.Tensor
+    num_classes: int
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        for split, x, y in (("train", self.train_x, self.train_y), ("test", self.test_x, self.test_y)):
+            if x.dtype != torch.uint8 or x.dim() != 4:
+                raise ValueError(f"{self.name} {split} images must be uint8 (N, C, H, W), got {x.dtype} {tuple(x.shape)}")
+            if y.dtype != torch.int64 or y.shape != (x.shape[0],):
+                raise ValueError(f"{self.name} {split} labels must be int64 of length {x.shape[0]}")
+        if len(self.mean) != self.channels or len(self.std) != self.channels:
+            raise ValueError(f"{self.name}: mean/std need one value per channel ({self.channels})")
+
+    @property
+    def channels(self) -> int:
+        return int(self.train_x.shape[1])
+
+    @property
+    def image_size(self) -> tuple[int, int]:
+        return int(self.train_x.shape[2]), int(self.train_x.shape[3])
+
+    @property
+    def input_shape(self) -> tuple[int, int, int]:
+        return (self.channels, *self.image_size)

@@ -1,0 +1,25 @@
+"""Model zoo. Importing this package registers every model in :data:`fedistill.registry.MODELS`.
+
+Registered names: ``cnn`` (FedAvg/FedNTD/FedLMD CNN), ``digits_cnn`` (tiny CNN for 8x8 digits), ``mlp``
+(2NN), ``resnet8`` (CIFAR-style), ``resnet18`` (cifar or imagenet stem). Create one with
+:func:`build_model`; every model is a :class:`ClassifierModel` (``extract`` -> features, ``classify`` ->
+logits).
+"""
+
+from . import cnn, mlp, resnet  # noqa: F401  (imported for their registrations)
+from .base import ClassifierModel
+from .cnn import DigitsCNN, FedAvgNet
+from .mlp import MLP
+from .registry import build_model, model_options
+from .resnet import BasicBlock, ResNet
+
+__all__ = [
+    "BasicBlock",
+    "ClassifierModel",
+    "DigitsCNN",
+    "FedAvgNet",
+    "MLP",
+    "ResNet",
+    "build_model",
+    "model_options",
+]

@@ -1,0 +1,112 @@
+"""Small convolutional classifiers: the FedAvg/FedNTD/FedLMD "CNN" and a tiny CNN for 8x8 digits.
+
+``cnn`` is the two-conv network of McMahan et al. as used by FedNTD and FedLMD (``FedAvgNetMNIST`` /
+``FedAvgNetCIFAR`` in their code; spec/experiments-fedlmd.md §3): two 5x5 convolutions with padding 2,
+each followed by ReLU and 2x2 max-pooling, a 512-unit fully connected layer with ReLU, and a linear
+classifier. No BatchNorm, no dropout, PyTorch's default initialisation. The flatten size is derived from
+the input shape, so one class covers both published variants and any other size:
+
+==================  ==========  ==========
+input, classes      flatten     parameters
+==================  ==========  ==========
+1x28x28, 10         64*7*7      1,663,370
+3x32x32, 10         64*8*8      2,156,490
+3x32x32, 100        64*8*8      2,202,660
+==================  ==========  ==========
+
+``digits_cnn`` is a CPU-fast network for 8x8x1 inputs (scikit-learn's embedded digits data set, which
+makes the default command work without any download); it is our own choice, not from a paper.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..registry import MODELS
+from .base import ClassifierModel, check_min_size, check_positive_ints
+
+
+class FedAvgNet(ClassifierModel):
+    """Two 5x5 conv (pad 2) + ReLU + 2x2 max-pool layers, fc1 + ReLU, linear classifier.
+
+    ``extract`` returns the fc1 output after its ReLU (512-d by default), the feature MOON uses.
+    """
+
+    def __init__(
+        self,
+        input_shape: Sequence[int],
+        num_classes: int,
+        channels: Sequence[int] = (32, 64),
+        hidden: int = 512,
+    ) -> None:
+        super().__init__(input_shape, num_classes)
+        c1, c2 = check_positive_ints("cnn", "channels", channels, length=2)
+        (hidden,) = check_positive_ints("cnn", "hidden", hidden, length=1)
+        in_ch, h, w = self.input_shape
+        # Two 2x2 poolings with floor rounding; anything below 4x4 would pool down to nothing.
+        check_min_size("cnn", self.input_shape, 4)
+        self.conv1 = nn.Conv2d(in_ch, c1, kernel_size=5, padding=2)
+        self.conv2 = nn.Conv2d(c1, c2, kernel_size=5, padding=2)
+        self.flat_dim = c2 * (h // 4) * (w // 4)
+        self.fc1 = nn.Linear(self.flat_dim, hidden)
+        self.feature_dim = hidden
+        self.classifier = nn.Linear(hidden, self.num_classes)
+
+    def extract(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.max_pool2d(F.relu(self.conv1(x)), 2)
+        x = F.max_pool2d(F.relu(self.conv2(x)), 2)
+        # flatten works on channels_last tensors too (it copies into the logical NCHW order).
+        return F.relu(self.fc1(torch.flatten(x, 1)))
+
+
+class DigitsCNN(ClassifierModel):
+    """Tiny CNN for 8x8 inputs: conv 3x3 (16) + ReLU, conv 3x3 (32) + ReLU, 2x2 max-pool, fc 64 + ReLU.
+
+    38,282 parameters for 1x8x8 inputs and 10 classes; a forward/backward pass of a batch of 64 takes
+    well under a millisecond per sample on one CPU core. Any input of at least 2x2 is accepted (the
+    flatten size is derived from the shape).
+    """
+
+    def __init__(
+        self,
+        input_shape: Sequence[int],
+        num_classes: int,
+        channels: Sequence[int] = (16, 32),
+        hidden: int = 64,
+    ) -> None:
+        super().__init__(input_shape, num_classes)
+        c1, c2 = check_positive_ints("digits_cnn", "channels", channels, length=2)
+        (hidden,) = check_positive_ints("digits_cnn", "hidden", hidden, length=1)
+        in_ch, h, w = self.input_shape
+        check_min_size("digits_cnn", self.input_shape, 2)
+        self.conv1 = nn.Conv2d(in_ch, c1, kernel_size=3, padding=1)
+        self.conv2 = nn.Conv2d(c1, c2, kernel_size=3, padding=1)
+        self.flat_dim = c2 * (h // 2) * (w // 2)
+        self.fc1 = nn.Linear(self.flat_dim, hidden)
+        self.feature_dim = hidden
+        self.classifier = nn.Linear(hidden, self.num_classes)
+
+    def extract(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.relu(self.conv1(x))
+        x = F.max_pool2d(F.relu(self.conv2(x)), 2)
+        return F.relu(self.fc1(torch.flatten(x, 1)))
+
+
+@MODELS.register("cnn")
+def cnn(
+    input_shape: Sequence[int], num_classes: int, channels: Sequence[int] = (32, 64), hidden: int = 512
+) -> FedAvgNet:
+    """FedAvg/FedNTD/FedLMD CNN: 2x (5x5 conv + ReLU + 2x2 max-pool), fc 512 + ReLU, linear classifier."""
+    return FedAvgNet(input_shape, num_classes, channels=channels, hidden=hidden)
+
+
+@MODELS.register("digits_cnn")
+def digits_cnn(
+    input_shape: Sequence[int], num_classes: int, channels: Sequence[int] = (16, 32), hidden: int = 64
+) -> DigitsCNN:
+    """Tiny CNN for 8x8 digits: 2x 3x3 conv + ReLU, 2x2 max-pool, fc 64 + ReLU, linear classifier."""
+    return DigitsCNN(input_shape, num_classes, channels=channels, hidden=hidden)

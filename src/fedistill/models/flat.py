@@ -1,0 +1,41 @@
+"""Flat parameter vectors.
+
+Clients never get a deep copy of the global model: one worker module per process is reused, and weights
+travel as a single float32 vector holding every floating-point entry of the state dict (parameters and
+BatchNorm running statistics, in ``state_dict`` order). Integer buffers (BatchNorm's
+``num_batches_tracked``) are not part of the vector: averaging a counter is meaningless (fedavg.md §3).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def float_state(model: nn.Module) -> list[torch.Tensor]:
+    """The floating-point tensors of ``model.state_dict()``, in order (live references, not copies)."""
+    return [t for t in model.state_dict(keep_vars=True).values() if t.is_floating_point()]
+
+
+def num_flat(model: nn.Module) -> int:
+    return sum(t.numel() for t in float_state(model))
+
+
+@torch.no_grad()
+def get_flat(model: nn.Module) -> torch.Tensor:
+    """A new float32 CPU vector with the model's floating-point state."""
+    return torch.cat([t.detach().reshape(-1).float().cpu() for t in float_state(model)])
+
+
+@torch.no_grad()
+def set_flat(model: nn.Module, vector: torch.Tensor) -> None:
+    """Copy ``vector`` into the model's floating-point state in place (keeps memory formats)."""
+    tensors = float_state(model)
+    expected = sum(t.numel() for t in tensors)
+    if vector.dim() != 1 or vector.numel() != expected:
+        raise ValueError(f"flat vector has {vector.numel()} entries, the model needs {expected}")
+    offset = 0
+    for t in tensors:
+        n = t.numel()
+        t.copy_(vector[offset : offset + n].view(t.shape))
+        offset += n

@@ -1,0 +1,235 @@
+"""Model zoo: parameter counts from the specs, shapes, the extract/classify split, memory formats,
+mixed precision, gradients, and the configuration errors of build_model."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import fedistill.models  # noqa: F401  (registers the models)
+from fedistill.errors import ConfigError
+from fedistill.models import ClassifierModel, build_model, model_options
+from fedistill.registry import MODELS
+
+ZOO = ["cnn", "digits_cnn", "mlp", "resnet8", "resnet18"]
+SHAPES = [(1, 8, 8), (1, 28, 28), (3, 32, 32)]
+
+
+def make(name: str, shape: tuple[int, int, int], num_classes: int = 10, **kwargs) -> ClassifierModel:
+    torch.manual_seed(0)
+    try:
+        return build_model(name, shape, num_classes, **kwargs)
+    except ConfigError as err:  # a model that cannot take this input size says so
+        pytest.skip(f"{name} does not take {shape}: {err}")
+
+
+def batch(shape: tuple[int, int, int], n: int = 2) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(n, *shape, generator=g)
+
+
+def test_import_registers_every_model():
+    for name in ZOO:
+        assert name in MODELS
+        assert MODELS.describe(name)
+
+
+# -- parameter counts ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "shape, classes, expected",
+    [((1, 28, 28), 10, 1_663_370), ((3, 32, 32), 10, 2_156_490), ((3, 32, 32), 100, 2_202_660)],
+)
+def test_cnn_parameter_counts_match_fedlmd_spec(shape, classes, expected):
+    model = build_model("cnn", shape, classes)
+    assert model.num_parameters() == expected
+    assert sum(p.numel() for p in model.parameters()) == expected
+    assert model.feature_dim == 512
+
+
+def test_cnn_layers_match_spec_table():
+    model = build_model("cnn", (3, 32, 32), 10)
+    assert model.conv1.weight.numel() + model.conv1.bias.numel() == 2_432
+    assert model.conv2.weight.numel() + model.conv2.bias.numel() == 51_264
+    assert model.flat_dim == 64 * 8 * 8
+    assert build_model("cnn", (1, 28, 28), 10).flat_dim == 64 * 7 * 7
+    assert not any(isinstance(m, (nn.BatchNorm2d, nn.Dropout)) for m in model.modules())
+
+
+@pytest.mark.parametrize("classes, expected", [(10, 11_181_642), (100, 11_227_812)])
+def test_resnet18_imagenet_stem_matches_fedftg_counts(classes, expected):
+    model = build_model("resnet18", (3, 32, 32), classes, stem="imagenet")
+    assert model.num_parameters() == expected
+    # 9,600 BN running-stat floats and 20 integer counters (spec/fedftg.md §2).
+    floats = sum(b.numel() for b in model.buffers() if b.is_floating_point())
+    counters = sum(b.numel() for b in model.buffers() if not b.is_floating_point())
+    assert (floats, counters) == (9_600, 20)
+
+
+def test_other_parameter_counts():
+    assert build_model("digits_cnn", (1, 8, 8), 10).num_parameters() == 38_282
+    mlp_count = 784 * 200 + 200 + 200 * 200 + 200 + 200 * 10 + 10
+    assert build_model("mlp", (1, 28, 28), 10).num_parameters() == mlp_count
+    assert build_model("resnet8", (3, 32, 32), 10).num_parameters() == 78_042
+    # The cifar stem's 3x3 conv (1,728 weights) replaces the 7x7 one (9,408).
+    assert build_model("resnet18", (3, 32, 32), 10).num_parameters() == 11_181_642 - 9_408 + 1_728
+
+
+# -- shapes and the extract/classify split ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("name", ZOO)
+def test_output_shapes_and_split(name, shape):
+    model = make(name, shape, num_classes=7).eval()
+    x = batch(shape, 3)
+    with torch.no_grad():
+        logits = model(x)
+        feats = model.extract(x)
+        again = model.classify(feats)
+    assert logits.shape == (3, 7)
+    assert feats.shape == (3, model.feature_dim)
+    assert model.classifier.in_features == model.feature_dim
+    assert model.classifier.out_features == 7
+    torch.testing.assert_close(again, logits)
+    assert torch.isfinite(logits).all()
+
+
+@pytest.mark.parametrize("shape", [(3, 20, 24), (1, 5, 9), (2, 16, 16)])
+def test_cnn_flatten_size_follows_input_shape(shape):
+    model = build_model("cnn", shape, 4)
+    assert model.flat_dim == 64 * (shape[1] // 4) * (shape[2] // 4)
+    assert model(batch(shape)).shape == (2, 4)
+
+
+def test_cnn_rejects_inputs_too_small_to_pool():
+    with pytest.raises(ConfigError, match="at least 4x4"):
+        build_model("cnn", (1, 3, 8), 10)
+
+
+def test_mlp_hidden_option_and_logistic_regression():
+    model = build_model("mlp", (3, 32, 32), 10, hidden=[64])
+    assert model.feature_dim == 64
+    linear = build_model("mlp", (1, 8, 8), 10, hidden=())
+    assert linear.feature_dim == 64 and linear.num_parameters() == 650
+    assert linear(batch((1, 8, 8))).shape == (2, 10)
+
+
+def test_resnet18_stems_spatial_behaviour():
+    cifar = build_model("resnet18", (3, 32, 32), 10).eval()
+    imagenet = build_model("resnet18", (3, 32, 32), 10, stem="imagenet").eval()
+    assert not any(isinstance(m, nn.MaxPool2d) for m in cifar.modules())
+    assert any(isinstance(m, nn.MaxPool2d) for m in imagenet.modules())
+    assert cifar.stem[0].kernel_size == (3, 3) and cifar.stem[0].stride == (1, 1)
+    assert imagenet.stem[0].kernel_size == (7, 7) and imagenet.stem[0].stride == (2, 2)
+    with torch.no_grad():
+        x = batch((3, 32, 32))
+        assert cifar.stem(x).shape[-2:] == (32, 32)
+        assert imagenet.stem(x).shape[-2:] == (8, 8)  # /2 conv, /2 max-pool
+        assert cifar.feature_map(x).shape == (2, 512, 4, 4)
+        assert imagenet.feature_map(x).shape == (2, 512, 1, 1)
+        y = batch((1, 64, 64))
+        assert build_model("resnet18", (1, 64, 64), 10).feature_map(y).shape == (2, 512, 8, 8)
+        assert build_model("resnet18", (1, 64, 64), 10, stem="imagenet").feature_map(y).shape == (2, 512, 2, 2)
+
+
+def test_resnet_init():
+    model = build_model("resnet8", (3, 32, 32), 10)
+    for m in model.modules():
+        if isinstance(m, nn.BatchNorm2d):
+            assert torch.all(m.weight == 1) and torch.all(m.bias == 0)
+    conv = model.stages[2][0].conv2  # 64 -> 64, 3x3: fan_out = 576
+    assert conv.bias is None
+    assert conv.weight.std().item() == pytest.approx(math.sqrt(2 / 576), rel=0.05)
+
+
+# -- memory format, mixed precision, gradients --------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ZOO)
+def test_channels_last(name):
+    shape = (3, 32, 32)
+    model = make(name, shape).eval()
+    x = batch(shape)
+    with torch.no_grad():
+        expected = model(x)
+        model = model.to(memory_format=torch.channels_last)
+        out = model(x.contiguous(memory_format=torch.channels_last))
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("name", ZOO)
+def test_autocast_bfloat16(name):
+    shape = (1, 28, 28)
+    model = make(name, shape)
+    x = batch(shape, 4)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(x)
+        feats = model.extract(x)
+    assert out.shape == (4, 10) and feats.shape == (4, model.feature_dim)
+    assert torch.isfinite(out.float()).all()
+    out.float().sum().backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+@pytest.mark.parametrize("shape", [(1, 8, 8), (3, 32, 32)], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("name", ZOO)
+def test_backward_reaches_every_parameter(name, shape):
+    model = make(name, shape).train()
+    x = batch(shape, 4)
+    y = torch.tensor([0, 1, 2, 3])
+    nn.functional.cross_entropy(model(x), y).backward()
+    for pname, p in model.named_parameters():
+        assert p.grad is not None, pname
+        assert torch.isfinite(p.grad).all(), pname
+        assert p.grad.abs().sum() > 0, pname
+
+
+# -- configuration errors -----------------------------------------------------------------------------
+
+
+def test_unknown_model_name_lists_choices():
+    with pytest.raises(ConfigError, match="model.name") as info:
+        build_model("resnet1000", (3, 32, 32), 10)
+    for name in ZOO:
+        assert name in str(info.value)
+
+
+def test_unknown_kwarg_names_key_and_accepted_options():
+    with pytest.raises(ConfigError) as info:
+        build_model("resnet18", (3, 32, 32), 10, stme="imagenet")
+    message = str(info.value)
+    assert "'stme'" in message and "stem" in message and "width" in message
+    with pytest.raises(ConfigError, match="no option 'depth'; accepted options: hidden"):
+        build_model("mlp", (1, 28, 28), 10, depth=3)
+    with pytest.raises(ConfigError, match="num_classes"):
+        build_model("cnn", (1, 28, 28), 10, num_classes=5)
+
+
+@pytest.mark.parametrize(
+    "name, shape, classes, kwargs",
+    [
+        ("resnet18", (3, 32, 32), 10, {"stem": "tiny"}),
+        ("cnn", (3, 32), 10, {}),
+        ("cnn", (3, 0, 32), 10, {}),
+        ("cnn", (3, 32.5, 32), 10, {}),
+        ("cnn", (3, 32, 32), 0, {}),
+        ("mlp", (1, 8, 8), 10, {"hidden": (200, -1)}),
+        ("cnn", (1, 28, 28), 10, {"channels": (32,)}),
+        ("resnet8", (3, 32, 32), 10, {"width": 0}),
+    ],
+)
+def test_bad_values_are_config_errors(name, shape, classes, kwargs):
+    with pytest.raises(ConfigError):
+        build_model(name, shape, classes, **kwargs)
+
+
+def test_model_options_lists_defaults():
+    assert model_options("resnet18") == {"stem": "cifar", "width": 64}
+    assert model_options("mlp") == {"hidden": (200, 200)}
+    assert model_options("cnn") == {"channels": (32, 64), "hidden": 512}
