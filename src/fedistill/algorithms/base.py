@@ -1,0 +1,148 @@
+"""The algorithm interface: Messages, client and server contexts, and the Algorithm base class.
+
+An algorithm is three functions around a round (DESIGN.md, "Data flow"):
+
+``broadcast(server, rnd, cid) -> Message`` on the server, ``local_update(client, rnd, msg) -> Message`` on
+the client, ``aggregate(server, rnd, {cid: Message})`` on the server. A :class:`Message` is the only thing
+that crosses between them, so the same code runs in the in-process simulation and on Flower, and the bytes
+of every round are counted from the Messages exactly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+from pydantic import BaseModel, ConfigDict
+
+Scalar = int | float | bool | str
+
+# Bytes charged for a plain scalar on the wire: ints and floats travel as 64-bit values.
+SCALAR_BYTES = 8
+
+
+class Message(Mapping[str, Any]):
+    """A flat, immutable mapping of names to tensors and plain scalars.
+
+    Nested containers are rejected on purpose: a Message must map one-to-one onto Flower's
+    ``ArrayRecord`` (tensors) and ``ConfigRecord`` (scalars).
+    """
+
+    __slots__ = ("_items",)
+
+    def __init__(self, items: Mapping[str, Any] | None = None, **kwargs: Any) -> None:
+        merged = dict(items or {}, **kwargs)
+        for key, value in merged.items():
+            if not isinstance(key, str):
+                raise TypeError(f"Message keys must be str, got {key!r}")
+            if not isinstance(value, (torch.Tensor, int, float, bool, str)):
+                raise TypeError(f"Message[{key!r}] must be a tensor or a plain scalar, got {type(value).__name__}")
+        self._items = merged
+
+    def __getitem__(self, key: str) -> Any:
+        return self._items[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._items)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __repr__(self) -> str:
+        parts = [
+            f"{k}=tensor{tuple(v.shape)}" if isinstance(v, torch.Tensor) else f"{k}={v!r}" for k, v in self._items.items()
+        ]
+        return f"Message({', '.join(parts)})"
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {k: v for k, v in self._items.items() if isinstance(v, torch.Tensor)}
+
+    def scalars(self) -> dict[str, Scalar]:
+        return {k: v for k, v in self._items.items() if not isinstance(v, torch.Tensor)}
+
+    def nbytes(self) -> int:
+        """Payload bytes: tensor elements times element size, 8 per number, UTF-8 length per string."""
+        total = 0
+        for value in self._items.values():
+            if isinstance(value, torch.Tensor):
+                total += value.numel() * value.element_size()
+            elif isinstance(value, str):
+                total += len(value.encode())
+            else:
+                total += SCALAR_BYTES
+        return total
+
+
+@dataclass
+class ClientContext:
+    """Everything a client sees during ``local_update``.
+
+    ``state`` persists between the client's rounds (the engine stores it and checkpoints it); ``generator``
+    is seeded from (seed, round, client id), so a client's randomness does not depend on which other
+    clients ran before it or on the executor.
+    """
+
+    cid: int
+    train_indices: torch.Tensor
+    data: "Any"  # fedistill.data.pipeline.TensorPipeline (shared, read-only dataset tensors)
+    model: torch.nn.Module  # a reused worker module; load weights with set_flat, never deepcopy
+    generator: torch.Generator
+    state: dict[str, Any] = field(default_factory=dict)
+    test_indices: torch.Tensor | None = None
+    device: torch.device = torch.device("cpu")
+    precision: str = "fp32"
+
+    @property
+    def num_samples(self) -> int:
+        return int(self.train_indices.numel())
+
+
+@dataclass
+class ServerContext:
+    """The server's view: the global model, persistent server state and a seeded generator."""
+
+    model: torch.nn.Module
+    state: dict[str, Any]
+    generator: torch.Generator
+    num_classes: int
+    device: torch.device = torch.device("cpu")
+
+
+@dataclass(frozen=True)
+class RoundInfo:
+    """Per-round hyperparameters the engine hands to every client of the round."""
+
+    round: int
+    lr: float
+
+
+class AlgorithmParams(BaseModel):
+    """Base of every algorithm's typed hyperparameters (unknown keys are an error)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Algorithm:
+    """Base class; subclasses set ``name`` and ``Params`` and implement the three round functions."""
+
+    name: ClassVar[str] = ""
+    Params: ClassVar[type[AlgorithmParams]] = AlgorithmParams
+
+    def __init__(self, params: AlgorithmParams, local: Any) -> None:
+        self.params = params
+        self.local = local  # LocalConfig: epochs, batch size, lr, momentum, weight decay
+
+    def init_server(self, server: ServerContext) -> None:
+        """Fill ``server.state`` before round 1 (global weights are already in ``server.model``)."""
+
+    def broadcast(self, server: ServerContext, info: RoundInfo, cid: int) -> Message:
+        raise NotImplementedError
+
+    def local_update(self, client: ClientContext, info: RoundInfo, msg: Message) -> Message:
+        raise NotImplementedError
+
+    def aggregate(self, server: ServerContext, info: RoundInfo, replies: Mapping[int, Message]) -> dict[str, float]:
+        """Update the global model from the replies (given in client-id order); return metrics."""
+        raise NotImplementedError

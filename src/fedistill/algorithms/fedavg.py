@@ -1,0 +1,82 @@
+"""FedAvg (McMahan et al. 2017) and FedAvgM (Hsu et al. 2019). Card: spec/fedavg.md.
+
+Clients run plain local SGD from the broadcast weights and return them with their sample count; the
+server takes the sample-weighted mean (card §3). FedAvgM changes only the server: the pseudo-gradient
+``w_g - w_agg`` goes through heavy-ball momentum (:class:`~fedistill.algorithms.aggregate.ServerMomentum`).
+Other parameter-averaging methods reuse this class with other ingredients.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Mapping
+
+import torch
+from pydantic import Field
+
+from ..models.flat import get_flat, set_flat
+from ..registry import ALGORITHMS
+from .aggregate import ServerMomentum, ServerOptimizer, aggregation_weights, weighted_mean
+from .base import Algorithm, AlgorithmParams, ClientContext, Message, RoundInfo, ServerContext
+from .local import local_sgd
+
+
+class FedAvgParams(AlgorithmParams):
+    weighting: Literal["samples", "uniform"] = Field("samples", description="aggregation weights p_k (card ambiguity 1)")
+    grad_clip: float | None = Field(None, gt=0, description="clip the local gradient norm (FedFTG code uses 10)")
+
+
+@ALGORITHMS.register("fedavg")
+class FedAvg(Algorithm):
+    """FedAvg: sample-weighted mean of locally trained weights."""
+
+    name = "fedavg"
+    Params = FedAvgParams
+
+    def server_optimizer(self) -> ServerOptimizer:
+        return ServerOptimizer()
+
+    # -- server ---------------------------------------------------------------------------------
+    def broadcast(self, server: ServerContext, info: RoundInfo, cid: int) -> Message:
+        # The global model does not change within a round: flatten it once, send the same vector.
+        if getattr(self, "_broadcast_round", None) != info.round:
+            self._broadcast_round, self._broadcast_vec = info.round, get_flat(server.model)
+        return Message(weights=self._broadcast_vec)
+
+    def aggregate(self, server: ServerContext, info: RoundInfo, replies: Mapping[int, Message]) -> dict[str, float]:
+        cids = sorted(replies)
+        weights = aggregation_weights([int(replies[c]["num_samples"]) for c in cids], self.params.weighting)
+        aggregate = weighted_mean([replies[c]["weights"] for c in cids], weights)
+        new_global = self.server_optimizer().step(server.state, get_flat(server.model), aggregate)
+        set_flat(server.model, new_global)
+        self._broadcast_round = None
+        return {}
+
+    # -- client ---------------------------------------------------------------------------------
+    def local_update(self, client: ClientContext, info: RoundInfo, msg: Message) -> Message:
+        set_flat(client.model, msg["weights"])
+        result = local_sgd(
+            client,
+            lr=info.lr,
+            epochs=self.local.epochs,
+            batch_size=self.local.batch_size,
+            momentum=self.local.momentum,
+            weight_decay=self.local.weight_decay,
+            grad_clip=self.params.grad_clip,
+        )
+        return Message(weights=get_flat(client.model), num_samples=client.num_samples, train_loss=result.mean_loss)
+
+
+class FedAvgMParams(FedAvgParams):
+    server_momentum: float = Field(0.7, ge=0.0, lt=1.0, description="β_m (reference-repo default; card §5)")
+    server_lr: float = Field(1.0, gt=0.0, description="η_s")
+
+
+@ALGORITHMS.register("fedavgm")
+class FedAvgM(FedAvg):
+    """FedAvgM: FedAvg with heavy-ball server momentum on the pseudo-gradient."""
+
+    name = "fedavgm"
+    Params = FedAvgMParams
+
+    def server_optimizer(self) -> ServerOptimizer:
+        return ServerMomentum(self.params.server_momentum, self.params.server_lr)

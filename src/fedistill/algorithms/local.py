@@ -1,0 +1,86 @@
+"""Local training on a client: mini-batch SGD over the client's index set.
+
+Semantics follow fedavg.md §3: ``torch.optim.SGD`` (dampening 0, no Nesterov, coupled weight decay), a new
+optimizer (empty momentum buffer) in every round, ``E * ceil(n_k / B)`` steps, last partial batch kept,
+mean cross-entropy per batch. Methods that add something to the local objective pass ``extra_loss`` (a
+loss term such as FedProx's proximal term) and/or ``logit_transform``; the loop itself stays one loop.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .base import ClientContext
+
+# extra_loss(model, x, y, logits) -> scalar tensor added to the CE loss.
+ExtraLoss = Callable[[nn.Module, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class LocalResult:
+    steps: int
+    samples_seen: int
+    mean_loss: float  # sample-weighted mean of the batch losses (CE + extra terms)
+
+
+def autocast_context(precision: str, device: torch.device):
+    """bf16 autocast (fp32 master weights and optimizer) when ``precision == 'bf16'``; else a no-op."""
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
+
+
+def local_sgd(
+    client: ClientContext,
+    *,
+    lr: float,
+    epochs: int,
+    batch_size: int,
+    momentum: float = 0.0,
+    weight_decay: float = 0.0,
+    extra_loss: ExtraLoss | None = None,
+    grad_clip: float | None = None,
+) -> LocalResult:
+    """Train ``client.model`` in place for ``epochs`` passes over the client's data."""
+    model = client.model
+    model.train()
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay)
+    loss_sum = torch.zeros((), dtype=torch.float64)
+    steps = seen = 0
+    for _ in range(epochs):
+        for x, y in client.data.epoch_batches(client.train_indices, batch_size, client.generator):
+            with autocast_context(client.precision, client.device):
+                logits = model(x)
+                loss = F.cross_entropy(logits.float(), y)
+                if extra_loss is not None:
+                    loss = loss + extra_loss(model, x, y, logits)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            if grad_clip is not None:
+                nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+            optimizer.step()
+            # Accumulate on-device; a single .item() at the end avoids a sync per step.
+            loss_sum += loss.detach().double() * y.shape[0]
+            steps += 1
+            seen += int(y.shape[0])
+    mean_loss = float(loss_sum / seen) if seen else float("nan")
+    return LocalResult(steps=steps, samples_seen=seen, mean_loss=mean_loss)
+
+
+@torch.inference_mode()
+def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int = 1000, precision: str = "fp32") -> tuple[float, float]:
+    """Top-1 accuracy (fraction) and mean cross-entropy of ``model`` on pre-normalised tensors."""
+    model.eval()
+    correct = torch.zeros((), dtype=torch.int64)
+    loss_sum = torch.zeros((), dtype=torch.float64)
+    for start in range(0, x.shape[0], batch_size):
+        xb, yb = x[start : start + batch_size], y[start : start + batch_size]
+        with autocast_context(precision, xb.device):
+            logits = model(xb).float()
+        loss_sum += F.cross_entropy(logits, yb, reduction="sum").double().cpu()
+        correct += (logits.argmax(1) == yb).sum().cpu()
+    n = x.shape[0]
+    return float(correct) / n, float(loss_sum) / n

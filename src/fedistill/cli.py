@@ -1,0 +1,167 @@
+"""The ``fedistill`` command: run, partition, compare, list.
+
+Errors caused by input (a bad config value, a missing dataset file, an impossible partition) print one
+line, ``error: <what is wrong and how to fix it>``, and exit with code 2. A diverged run exits with 1
+after saying where its last good checkpoint is.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+from .errors import ConfigError, FedistillError, TrainingDiverged
+
+# Flags of ``fedistill run`` that are shortcuts for config keys.
+RUN_FLAGS: list[tuple[str, str, type, str]] = [
+    ("--algorithm", "algorithm.name", str, "algorithm name (see `fedistill list`)"),
+    ("--dataset", "dataset.name", str, "dataset name"),
+    ("--data-dir", "dataset.data_dir", str, "directory of the official dataset files (env FEDISTILL_DATA)"),
+    ("--model", "model.name", str, "model name (default: the dataset's)"),
+    ("--partition", "partition.scheme", str, "iid, shards, lda, client_dirichlet"),
+    ("--alpha", "partition.alpha", float, "Dirichlet concentration"),
+    ("--shards", "partition.shards_per_client", int, "shards per client (shards scheme)"),
+    ("--clients", "partition.num_clients", int, "number of clients K"),
+    ("--clients-per-round", "clients_per_round", int, "clients sampled per round"),
+    ("--rounds", "rounds", int, "communication rounds"),
+    ("--epochs", "local.epochs", int, "local epochs E"),
+    ("--batch-size", "local.batch_size", int, "local batch size B"),
+    ("--lr", "local.lr", float, "initial local learning rate"),
+    ("--seed", "seed", int, "run seed"),
+    ("--precision", "run.precision", str, "fp32 or bf16 (autocast, fp32 master weights)"),
+    ("--out", "run.out_dir", str, "parent directory of run directories (default runs/)"),
+    ("--name", "run.name", str, "run directory name (default: algorithm-dataset-time)"),
+    ("--target", "eval.target_accuracy", float, "target accuracy in percent (rounds to target)"),
+]
+
+
+def _add_run_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("run", help="run a federated experiment", description="Run a federated experiment.")
+    p.add_argument("--config", "-c", help="YAML config file")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="override any config key, e.g. --set local.lr=0.05 (repeatable)")
+    for flag, key, typ, help_text in RUN_FLAGS:
+        p.add_argument(flag, dest=key, type=typ, default=None, help=f"{help_text} [{key}]")
+    p.add_argument("--download", action="store_true", default=None, help="download missing official dataset files")
+    p.add_argument("--no-verify", action="store_true", help="skip md5 checks of dataset files (custom copies)")
+    p.add_argument("--resume", metavar="RUN_DIR", help="continue an interrupted run from its checkpoint")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _overrides_from_args(args: argparse.Namespace) -> list[tuple[str, Any]]:
+    from .config import parse_override
+
+    items: list[tuple[str, Any]] = []
+    for _, key, _, _ in RUN_FLAGS:
+        value = getattr(args, key)
+        if value is not None:
+            items.append((key, value))
+    if args.download:
+        items.append(("dataset.download", True))
+    if args.no_verify:
+        items.append(("dataset.verify", False))
+    if args.no_progress:
+        items.append(("run.progress", False))
+    items.extend(parse_override(o) for o in args.overrides)
+    return items
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from .config import build_config, read_yaml
+    from .report.rundir import RunDirectory
+    from .runner import run_experiment
+
+    overrides = dict(_overrides_from_args(args))
+    if args.resume:
+        run_dir = RunDirectory(Path(args.resume))
+        base = run_dir.read_config()
+        if args.config:
+            raise ConfigError("--resume takes its config from the run directory; drop --config")
+        cfg = build_config(base, overrides)
+        run_experiment(cfg, run_dir=run_dir, resume=True)
+    else:
+        base = read_yaml(args.config) if args.config else {}
+        cfg = build_config(base, overrides)
+        run_experiment(cfg)
+    return 0
+
+
+def cmd_partition(args: argparse.Namespace) -> int:
+    from .runner import show_partition
+
+    show_partition(args)
+    return 0
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from .runner import compare_runs
+
+    compare_runs(args.runs, out=Path(args.out) if args.out else None, target=args.target)
+    return 0
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    from rich.table import Table
+
+    from . import algorithms as _a  # noqa: F401
+    from . import models as _m  # noqa: F401
+    from .data import partition as _p  # noqa: F401
+    from .data import sources as _s  # noqa: F401
+    from .registry import ALGORITHMS, DATASETS, MODELS, PARTITIONS
+
+    from .runner import make_console
+
+    console = make_console()
+    for title, reg in (("algorithms", ALGORITHMS), ("datasets", DATASETS), ("models", MODELS), ("partitions", PARTITIONS)):
+        table = Table(title=title, show_header=False, title_justify="left")
+        for name in reg.names():
+            table.add_row(name, reg.describe(name))
+        console.print(table)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fedistill", description="Federated learning on non-IID data through knowledge distillation.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_run_parser(sub)
+
+    p = sub.add_parser("partition", help="show a partition's client x class counts and save a heatmap")
+    p.add_argument("--config", "-c", help="take dataset and partition from this YAML config")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    for flag, key, typ, help_text in RUN_FLAGS:
+        if key.startswith(("dataset.", "partition.")) or key == "seed":
+            p.add_argument(flag, dest=key, type=typ, default=None, help=f"{help_text} [{key}]")
+    p.add_argument("--download", action="store_true", default=None)
+    p.add_argument("--no-verify", action="store_true")
+    p.add_argument("--out", default="partition.png", help="heatmap PNG path (default partition.png)")
+    p.add_argument("--max-rows", type=int, default=30, help="clients shown in the printed matrix")
+
+    p = sub.add_parser("compare", help="compare run directories: table and overlaid accuracy curves")
+    p.add_argument("runs", nargs="+", help="run directories")
+    p.add_argument("--out", help="PNG for the overlaid curves (default: compare.png in the current directory)")
+    p.add_argument("--target", type=float, default=None, help="target accuracy in percent for rounds-to-target")
+
+    sub.add_parser("list", help="list algorithms, datasets, models and partitions")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    handlers = {"run": cmd_run, "partition": cmd_partition, "compare": cmd_compare, "list": cmd_list}
+    try:
+        return handlers[args.command](args)
+    except TrainingDiverged as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except FedistillError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted: continue with `fedistill run --resume RUN_DIR`", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

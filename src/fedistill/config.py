@@ -1,0 +1,234 @@
+"""Typed, validated run configuration.
+
+A run is configured by defaults < a YAML file (``--config``) < CLI flags < ``--set key=value`` overrides.
+Every value is checked here, before any work starts; a bad value raises :class:`ConfigError` with one
+line naming the key and what is allowed (the CLI turns it into exit code 2).
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from .errors import ConfigError
+
+# Paper defaults per dataset: the model of the main experiments and the training augmentation
+# (experiments-fedlmd.md §1 for MNIST/CIFAR/CINIC; DaFKD uses no augmentation for SVHN; 8x8 digits are
+# too small to crop).
+DATASET_DEFAULTS: dict[str, dict[str, Any]] = {
+    "digits": {"model": "digits_cnn", "augment": []},
+    "mnist": {"model": "cnn", "augment": ["crop", "flip", "cutout"]},
+    "fashion_mnist": {"model": "cnn", "augment": ["crop", "flip", "cutout"]},
+    "emnist": {"model": "cnn", "augment": []},
+    "cifar10": {"model": "cnn", "augment": ["crop", "flip", "cutout"]},
+    "cifar100": {"model": "cnn", "augment": ["crop", "flip", "cutout"]},
+    "cinic10": {"model": "cnn", "augment": ["crop", "flip"]},
+    "svhn": {"model": "cnn", "augment": []},
+}
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class DatasetConfig(_Section):
+    name: str = "digits"
+    data_dir: str | None = Field(None, description="directory of the official files (default: $FEDISTILL_DATA or ./data)")
+    download: bool = Field(False, description="fetch missing official files (with checksum)")
+    verify: bool = Field(True, description="check official md5 checksums")
+    augment: list[str] | None = Field(None, description="subset of crop, flip, cutout; null = the paper default")
+
+
+class PartitionConfig(_Section):
+    scheme: str = "lda"
+    num_clients: int = Field(20, ge=1)
+    alpha: float | None = Field(0.5, gt=0, description="Dirichlet concentration (lda, client_dirichlet)")
+    shards_per_client: int | None = Field(None, ge=1, description="shards scheme")
+    min_size: int | None = Field(None, ge=0, description="lda: minimum samples per client (default 10)")
+    per_client_test: bool = Field(False, description="split the test set per client following train proportions")
+    seed: int | None = Field(None, description="partition seed (default: the run seed)")
+
+
+class ModelConfig(_Section):
+    name: str | None = Field(None, description="model name; null = the dataset's default")
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+
+
+class LocalConfig(_Section):
+    epochs: int = Field(5, ge=0)
+    batch_size: int = Field(50, ge=1)
+    lr: float = Field(0.01, ge=0)
+    lr_decay: float = Field(0.99, gt=0, le=1, description="per-round factor γ: η_t = η_0 γ^(t-1)")
+    momentum: float = Field(0.9, ge=0, lt=1)
+    weight_decay: float = Field(1e-5, ge=0)
+
+
+class EvalConfig(_Section):
+    every: int = Field(1, ge=1, description="evaluate the global model every N rounds (and after the last)")
+    batch_size: int = Field(1000, ge=1)
+    target_accuracy: float | None = Field(None, gt=0, le=100, description="percent; reported as rounds to target")
+
+
+class RunConfig(_Section):
+    out_dir: str = "runs"
+    name: str | None = None
+    checkpoint_every: int = Field(10, ge=0, description="0 = only at the end")
+    precision: Literal["fp32", "bf16"] = Field("fp32", description="bf16 = autocast with fp32 master weights")
+    channels_last: bool = True
+    device: str = "cpu"
+    threads: int | None = Field(None, ge=1)
+    progress: bool = True
+
+
+class AlgorithmConfig(BaseModel):
+    """``name`` plus the algorithm's own hyperparameters, validated by its ``Params`` model."""
+
+    model_config = ConfigDict(extra="allow")
+    name: str = "fedavg"
+
+    def params_dict(self) -> dict[str, Any]:
+        return dict(self.model_extra or {})
+
+
+class Config(_Section):
+    seed: int = 0
+    rounds: int = Field(30, ge=1)
+    clients_per_round: int = Field(5, ge=1)
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    dataset: DatasetConfig = Field(default_factory=DatasetConfig)
+    partition: PartitionConfig = Field(default_factory=PartitionConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    local: LocalConfig = Field(default_factory=LocalConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    run: RunConfig = Field(default_factory=RunConfig)
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> "Config":
+        if self.clients_per_round > self.partition.num_clients:
+            raise ValueError(
+                f"clients_per_round: {self.clients_per_round} is more than partition.num_clients "
+                f"({self.partition.num_clients}); allowed 1..{self.partition.num_clients}"
+            )
+        return self
+
+    # Resolved views -----------------------------------------------------------------------------
+    def model_name(self) -> str:
+        return self.model.name or DATASET_DEFAULTS.get(self.dataset.name, {}).get("model", "cnn")
+
+    def augmentations(self) -> list[str]:
+        if self.dataset.augment is not None:
+            return list(self.dataset.augment)
+        return list(DATASET_DEFAULTS.get(self.dataset.name, {}).get("augment", []))
+
+    def partition_seed(self) -> int:
+        return self.seed if self.partition.seed is None else self.partition.seed
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+
+def _format_validation_error(err: ValidationError) -> str:
+    first = err.errors()[0]
+    loc = ".".join(str(p) for p in first["loc"])
+    msg = first["msg"]
+    if msg.startswith("Value error, "):
+        msg = msg[len("Value error, ") :]
+    if first["type"] == "extra_forbidden":
+        return f"{loc}: unknown key"
+    got = first.get("input")
+    shown = "" if isinstance(got, (dict, list)) or got is None else f" (got {got!r})"
+    return f"{loc}: {msg}{shown}" if loc else f"{msg}"
+
+
+def _set_path(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    keys = dotted.split(".")
+    node = tree
+    for key in keys[:-1]:
+        nxt = node.get(key)
+        if nxt is None:
+            nxt = node[key] = {}
+        if not isinstance(nxt, dict):
+            raise ConfigError(f"--set {dotted}: {key!r} is a value, not a section")
+        node = nxt
+    node[keys[-1]] = value
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """``key.sub=value`` with the value parsed as YAML (so 0.1 is a float, true a bool, [a, b] a list)."""
+    if "=" not in text:
+        raise ConfigError(f"--set {text!r}: expected key=value, e.g. --set local.lr=0.05")
+    key, raw = text.split("=", 1)
+    key = key.strip()
+    if not key:
+        raise ConfigError(f"--set {text!r}: empty key")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"--set {key}: cannot parse value {raw!r} ({exc.__class__.__name__})") from None
+    return key, value
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"--config: file {str(path)!r} does not exist")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"--config {path}: not valid YAML: {str(exc).splitlines()[0]}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"--config {path}: the top level must be a mapping of keys to values")
+    return data
+
+
+def build_config(
+    base: dict[str, Any] | None = None, overrides: dict[str, Any] | list[str] | None = None
+) -> Config:
+    """Validate ``base`` (e.g. a YAML file's content) with dotted ``overrides`` applied on top."""
+    tree = copy.deepcopy(base or {})
+    if isinstance(tree.get("algorithm"), str):
+        tree["algorithm"] = {"name": tree["algorithm"]}
+    items = overrides.items() if isinstance(overrides, dict) else (parse_override(o) for o in overrides or [])
+    for key, value in items:
+        if key == "algorithm" and isinstance(value, str):
+            key = "algorithm.name"
+        _set_path(tree, key, value)
+    try:
+        cfg = Config.model_validate(tree)
+    except ValidationError as err:
+        raise ConfigError(_format_validation_error(err)) from None
+    validate_names(cfg)
+    return cfg
+
+
+def validate_names(cfg: Config) -> None:
+    """Resolve every registered name and the algorithm's parameters now, not in round 1."""
+    from . import algorithms as _algorithms  # noqa: F401  (registers algorithms)
+    from . import models as _models  # noqa: F401
+    from .data import partition as _partition  # noqa: F401
+    from .data import sources as _sources  # noqa: F401
+    from .data.pipeline import AugmentSpec
+    from .registry import ALGORITHMS, DATASETS, MODELS, PARTITIONS
+
+    algo_cls = ALGORITHMS.get(cfg.algorithm.name, key="algorithm.name")
+    algorithm_params(algo_cls, cfg)
+    DATASETS.get(cfg.dataset.name, key="dataset.name")
+    MODELS.get(cfg.model_name(), key="model.name")
+    PARTITIONS.get(cfg.partition.scheme, key="partition.scheme")
+    AugmentSpec.from_names(cfg.augmentations())
+
+
+def algorithm_params(algo_cls: Any, cfg: Config) -> Any:
+    try:
+        return algo_cls.Params.model_validate(cfg.algorithm.params_dict())
+    except ValidationError as err:
+        first = err.errors()[0]
+        key = ".".join(str(p) for p in first["loc"])
+        if first["type"] == "extra_forbidden":
+            allowed = ", ".join(algo_cls.Params.model_fields) or "none"
+            raise ConfigError(f"algorithm.{key}: not a parameter of {cfg.algorithm.name} (accepted: {allowed})") from None
+        raise ConfigError(f"algorithm.{key}: {first['msg']} (got {first.get('input')!r})") from None

@@ -1,0 +1,257 @@
+"""The in-process simulation: the round loop of DESIGN.md.
+
+``broadcast -> local_update -> aggregate -> evaluate`` for the clients sampled each round, in client-id
+order, with bytes counted from the Messages, a checkpoint every N rounds and exact resume.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from ..algorithms.base import Algorithm, ClientContext, Message, RoundInfo, ServerContext
+from ..algorithms.local import evaluate
+from ..config import Config, algorithm_params
+from ..data.dataset import Dataset
+from ..data.pipeline import AugmentSpec, TensorPipeline
+from ..errors import TrainingDiverged
+from ..models.flat import get_flat
+from ..registry import ALGORITHMS
+from .checkpoint import CHECKPOINT_NAME, check_compatible, load_checkpoint, save_checkpoint
+from .seeding import CLIENT, INIT, SERVER, derive_seed, make_generator, sample_clients
+
+
+@dataclass
+class Federation:
+    """The dataset tensors plus every client's index sets (train, and test for personalised runs)."""
+
+    dataset: Dataset
+    train_indices: list[torch.Tensor]
+    test_indices: list[torch.Tensor] | None = None
+
+    @property
+    def num_clients(self) -> int:
+        return len(self.train_indices)
+
+    def class_counts(self) -> np.ndarray:
+        labels = self.dataset.train_y.numpy()
+        return np.stack([np.bincount(labels[i.numpy()], minlength=self.dataset.num_classes) for i in self.train_indices])
+
+
+def build_federation(cfg: Config, dataset: Dataset) -> Federation:
+    from ..data.partition import make_partition
+
+    params: dict[str, Any] = {}
+    p = cfg.partition
+    if p.scheme in ("lda", "client_dirichlet"):
+        params["alpha"] = p.alpha
+    if p.scheme == "lda" and p.min_size is not None:
+        params["min_size"] = p.min_size
+    if p.scheme == "shards":
+        params["shards_per_client"] = p.shards_per_client if p.shards_per_client is not None else 2
+    part = make_partition(
+        p.scheme,
+        dataset.train_y.numpy(),
+        p.num_clients,
+        cfg.partition_seed(),
+        test_labels=dataset.test_y.numpy(),
+        per_client_test=p.per_client_test,
+        **params,
+    )
+    train = [torch.as_tensor(np.asarray(ix), dtype=torch.int64) for ix in part.train]
+    test = [torch.as_tensor(np.asarray(ix), dtype=torch.int64) for ix in part.test] if part.test is not None else None
+    return Federation(dataset, train, test)
+
+
+def build_model_for(cfg: Config, dataset: Dataset, seed_coords: tuple[int, ...]) -> torch.nn.Module:
+    """The configured model, initialised from its own seeded stream (global RNG left untouched)."""
+    from ..models import build_model
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(derive_seed(cfg.seed, *seed_coords))
+        model = build_model(cfg.model_name(), dataset.input_shape, dataset.num_classes, **cfg.model.kwargs)
+    model = model.to(cfg.run.device)
+    if cfg.run.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    return model
+
+
+@dataclass
+class RunState:
+    """What a checkpoint holds besides the models."""
+
+    round: int = 0
+    history: list[dict[str, Any]] = field(default_factory=list)
+    client_states: dict[int, dict[str, Any]] = field(default_factory=dict)
+
+
+class Simulation:
+    """Runs ``cfg.rounds`` rounds of ``cfg.algorithm`` on a federation, writing to ``run_dir`` if given."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        dataset: Dataset,
+        run_dir: Path | None = None,
+        on_round: Callable[[dict[str, Any]], None] | None = None,
+        federation: Federation | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.run_dir = run_dir
+        self.on_round = on_round
+        self.device = torch.device(cfg.run.device)
+        if cfg.run.threads:
+            torch.set_num_threads(cfg.run.threads)
+        self.federation = federation or build_federation(cfg, dataset)
+        self.pipeline = TensorPipeline(
+            dataset,
+            AugmentSpec.from_names(self.cfg.augmentations()),
+            device=self.device,
+            channels_last=cfg.run.channels_last,
+        )
+        algo_cls = ALGORITHMS.get(cfg.algorithm.name, key="algorithm.name")
+        self.algorithm: Algorithm = algo_cls(algorithm_params(algo_cls, cfg), cfg.local)
+        global_model = build_model_for(cfg, dataset, (INIT,))
+        self.worker = build_model_for(cfg, dataset, (INIT,))  # reused by every client; weights overwritten
+        self.server = ServerContext(
+            model=global_model,
+            state={},
+            generator=make_generator(cfg.seed, SERVER, 0),
+            num_classes=dataset.num_classes,
+            device=self.device,
+        )
+        self.state = RunState()
+        self.algorithm.init_server(self.server)
+
+    # ------------------------------------------------------------------------------------------
+    @property
+    def checkpoint_path(self) -> Path | None:
+        return self.run_dir / CHECKPOINT_NAME if self.run_dir else None
+
+    def save(self) -> None:
+        if self.checkpoint_path is None:
+            return
+        save_checkpoint(
+            self.checkpoint_path,
+            {
+                "config": self.cfg.to_dict(),
+                "round": self.state.round,
+                "global_model": self.server.model.state_dict(),
+                "server_state": self.server.state,
+                "client_states": self.state.client_states,
+                "history": self.state.history,
+            },
+        )
+
+    def restore(self, path: Path | None = None) -> None:
+        payload = load_checkpoint(path or self.checkpoint_path)
+        check_compatible(payload["config"], self.cfg.to_dict())
+        self.server.model.load_state_dict(payload["global_model"])
+        self.server.state = payload["server_state"]
+        self.state = RunState(payload["round"], payload["history"], payload["client_states"])
+
+    # ------------------------------------------------------------------------------------------
+    def round_info(self, rnd: int) -> RoundInfo:
+        return RoundInfo(round=rnd, lr=self.cfg.local.lr * self.cfg.local.lr_decay ** (rnd - 1))
+
+    def client_context(self, cid: int, rnd: int) -> ClientContext:
+        fed = self.federation
+        return ClientContext(
+            cid=cid,
+            train_indices=fed.train_indices[cid],
+            test_indices=fed.test_indices[cid] if fed.test_indices is not None else None,
+            data=self.pipeline,
+            model=self.worker,
+            generator=make_generator(self.cfg.seed, CLIENT, rnd, cid),
+            state=self.state.client_states.setdefault(cid, {}),
+            device=self.device,
+            precision=self.cfg.run.precision,
+        )
+
+    def evaluate_global(self) -> tuple[float, float]:
+        x, y = self.pipeline.test_tensors()
+        acc, loss = evaluate(self.server.model, x, y, self.cfg.eval.batch_size, self.cfg.run.precision)
+        return 100.0 * acc, loss
+
+    def run_round(self, rnd: int) -> dict[str, Any]:
+        start = time.perf_counter()
+        info = self.round_info(rnd)
+        selected = sample_clients(self.federation.num_clients, self.cfg.clients_per_round, self.cfg.seed, rnd)
+        bytes_down = bytes_up = 0
+        replies: dict[int, Message] = {}
+        for cid in selected:
+            msg = self.algorithm.broadcast(self.server, info, cid)
+            bytes_down += msg.nbytes()
+            reply = self.algorithm.local_update(self.client_context(cid, rnd), info, msg)
+            bytes_up += reply.nbytes()
+            replies[cid] = reply
+        extra = self.algorithm.aggregate(self.server, info, replies)
+        if not bool(torch.isfinite(get_flat(self.server.model)).all()):
+            last = self.state.round
+            where = f"the last good checkpoint (round {last}) is {self.checkpoint_path}" if self.checkpoint_path and last else "no checkpoint was written"
+            raise TrainingDiverged(
+                f"round {rnd}: the global model became non-finite (NaN/inf); {where}. "
+                f"Lower local.lr (now {info.lr:g}) or check the data."
+            )
+        losses = [float(r["train_loss"]) for r in replies.values() if "train_loss" in r]
+        sizes = [self.federation.train_indices[c].numel() for c in replies if "train_loss" in replies[c]]
+        row: dict[str, Any] = {
+            "round": rnd,
+            "lr": info.lr,
+            "clients": len(selected),
+            "train_loss": float(np.average(losses, weights=sizes)) if losses and sum(sizes) else None,
+            "test_accuracy": None,
+            "test_loss": None,
+            "bytes_down": bytes_down,
+            "bytes_up": bytes_up,
+        }
+        if rnd % self.cfg.eval.every == 0 or rnd == self.cfg.rounds:
+            row["test_accuracy"], row["test_loss"] = self.evaluate_global()
+        row.update(extra)
+        row["seconds"] = time.perf_counter() - start
+        return row
+
+    def run(self, resume: bool = False) -> list[dict[str, Any]]:
+        """Run (or continue) to ``cfg.rounds``; returns the per-round metric rows."""
+        if resume:
+            self.restore()
+        every = self.cfg.run.checkpoint_every
+        for rnd in range(self.state.round + 1, self.cfg.rounds + 1):
+            row = self.run_round(rnd)
+            self.state.round = rnd
+            self.state.history.append(row)
+            if self.on_round:
+                self.on_round(row)
+            if (every and rnd % every == 0) or rnd == self.cfg.rounds:
+                self.save()
+        return self.state.history
+
+
+def summarise(history: list[dict[str, Any]], target: float | None) -> dict[str, Any]:
+    """Final and best accuracy, round of best, rounds to target, totals (DESIGN.md "run directory")."""
+    evaluated = [r for r in history if r.get("test_accuracy") is not None]
+    best = max(evaluated, key=lambda r: r["test_accuracy"], default=None)
+    reached = next((r["round"] for r in evaluated if target is not None and r["test_accuracy"] >= target), None)
+    return {
+        "rounds": len(history),
+        "final_accuracy": evaluated[-1]["test_accuracy"] if evaluated else None,
+        "final_loss": evaluated[-1]["test_loss"] if evaluated else None,
+        "best_accuracy": best["test_accuracy"] if best else None,
+        "best_round": best["round"] if best else None,
+        "target_accuracy": target,
+        "rounds_to_target": reached,
+        "bytes_down": int(sum(r["bytes_down"] for r in history)),
+        "bytes_up": int(sum(r["bytes_up"] for r in history)),
+        "seconds": float(sum(r["seconds"] for r in history)),
+        "mean_train_loss_last": history[-1]["train_loss"] if history else None,
+    }
+
+
+def finite_or_none(x: float | None) -> float | None:
+    return None if x is None or not math.isfinite(x) else x

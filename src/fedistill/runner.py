@@ -1,0 +1,200 @@
+"""What the CLI commands do, as functions usable from Python too."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
+from .config import Config
+from .errors import TrainingDiverged
+from .report.plots import plot_accuracy, plot_partition
+from .report.rundir import RunDirectory, read_run
+
+
+def make_console() -> Console:
+    """A console for our tables: at least 120 columns when output is not a terminal (logs, CI)."""
+    console = Console()
+    return console if console.is_terminal else Console(width=max(console.width, 120))
+
+
+def _fmt(x: Any, spec: str = ".2f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def _bytes(n: int | None) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KB", "MB", "GB"):
+        if abs(n) < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return str(n)
+
+
+def load_dataset_for(cfg: Config):
+    from .data.sources import load_dataset
+
+    return load_dataset(cfg.dataset.name, cfg.dataset.data_dir, download=cfg.dataset.download, verify=cfg.dataset.verify)
+
+
+def run_experiment(
+    cfg: Config, run_dir: RunDirectory | None = None, resume: bool = False, console: Console | None = None
+) -> dict[str, Any]:
+    """Run ``cfg`` into a run directory (a new one unless resuming); returns the summary."""
+    from .engine.simulation import Simulation, summarise
+
+    console = console or make_console()
+    dataset = load_dataset_for(cfg)
+    # Build everything (partition, models, algorithm) before creating the run directory, so that an
+    # impossible partition or a bad model option leaves no empty run directory behind.
+    sim = Simulation(cfg, dataset)
+    if run_dir is None:
+        run_dir = RunDirectory.create(cfg.run.out_dir, cfg.run.name, f"{cfg.algorithm.name}-{cfg.dataset.name}")
+    sim.run_dir = run_dir.path
+    if resume:
+        sim.restore()
+        run_dir.rewrite_metrics(sim.state.history)  # drop rows written after the checkpoint
+    run_dir.write_config(cfg.to_dict())
+    counts = sim.federation.class_counts()
+    run_dir.write_partition(counts)
+    plot_partition(counts, run_dir.path / "partition.png", f"{cfg.partition.scheme}: {counts.shape[0]} clients")
+
+    start_round = sim.state.round
+    console.print(
+        f"[bold]{cfg.algorithm.name}[/] on {cfg.dataset.name} ({cfg.model_name()}), {cfg.partition.num_clients} clients "
+        f"({cfg.partition.scheme}), {cfg.clients_per_round}/round, {cfg.rounds} rounds -> {run_dir.path}"
+        + (f" (resuming after round {start_round})" if resume else "")
+    )
+    progress = Progress(
+        TextColumn("round {task.completed}/{task.total}"),
+        BarColumn(),
+        TextColumn("acc {task.fields[acc]}"),
+        TimeElapsedColumn(),
+        TextColumn("ETA"),
+        TimeRemainingColumn(),
+        console=console,
+        disable=not cfg.run.progress,
+        transient=False,
+    )
+    task = progress.add_task("rounds", total=cfg.rounds, completed=start_round, acc="-")
+
+    def on_round(row: dict[str, Any]) -> None:
+        run_dir.append_metrics(row)
+        acc = row.get("test_accuracy")
+        progress.update(task, completed=row["round"], **({"acc": f"{acc:.2f}%"} if acc is not None else {}))
+
+    sim.on_round = on_round
+    try:
+        with progress:
+            history = sim.run()
+    except TrainingDiverged:
+        run_dir.write_csv(sim.state.history)
+        run_dir.write_summary({**summarise(sim.state.history, cfg.eval.target_accuracy), "status": "diverged"})
+        raise
+    except KeyboardInterrupt:
+        run_dir.write_csv(sim.state.history)
+        raise
+    summary = summarise(history, cfg.eval.target_accuracy)
+    summary["status"] = "finished"
+    summary["run_dir"] = str(run_dir.path)
+    from .models.flat import num_flat
+
+    summary["model_parameters"] = num_flat(sim.server.model)
+    run_dir.write_csv(history)
+    run_dir.write_summary(summary)
+    curve = [(r["round"], r["test_accuracy"]) for r in history if r.get("test_accuracy") is not None]
+    plot_accuracy({cfg.algorithm.name: curve}, run_dir.path / "accuracy.png", cfg.eval.target_accuracy)
+    print_summary(console, {run_dir.path.name: summary})
+    return summary
+
+
+def print_summary(console: Console, summaries: dict[str, dict[str, Any]]) -> None:
+    table = Table(title="summary", title_justify="left")
+    for col in ("run", "rounds", "final acc %", "best acc %", "best round", "rounds to target", "bytes down", "bytes up", "seconds"):
+        table.add_column(col, justify="left" if col == "run" else "right")
+    for name, s in summaries.items():
+        target = s.get("target_accuracy")
+        to_target = "-" if target is None else (str(s["rounds_to_target"]) if s.get("rounds_to_target") else f"not reached ({target:g}%)")
+        table.add_row(
+            name,
+            str(s.get("rounds", "-")),
+            _fmt(s.get("final_accuracy")),
+            _fmt(s.get("best_accuracy")),
+            str(s.get("best_round", "-")),
+            to_target,
+            _bytes(s.get("bytes_down")),
+            _bytes(s.get("bytes_up")),
+            _fmt(s.get("seconds"), ".1f"),
+        )
+    console.print(table)
+
+
+def compare_runs(paths: list[str], out: Path | None = None, target: float | None = None, console: Console | None = None) -> None:
+    from .engine.simulation import summarise
+
+    console = console or make_console()
+    summaries: dict[str, dict[str, Any]] = {}
+    curves: dict[str, list[tuple[int, float]]] = {}
+    for p in paths:
+        path = Path(p)
+        config, rows, summary = read_run(path)
+        goal = target if target is not None else (config.get("eval") or {}).get("target_accuracy")
+        name = path.name
+        if name in summaries:
+            name = str(path)
+        summaries[name] = summarise(rows, goal)  # recomputed so that a common --target applies to all
+        curves[name] = [(r["round"], r["test_accuracy"]) for r in rows if r.get("test_accuracy") is not None]
+    print_summary(console, summaries)
+    out = out or Path("compare.png")
+    plot_accuracy(curves, out, target)
+    console.print(f"curves: {out}")
+
+
+def show_partition(args: argparse.Namespace, console: Console | None = None) -> None:
+    from .config import build_config, parse_override, read_yaml
+    from .data.partition import partition_stats
+    from .engine.simulation import build_federation
+
+    console = console or make_console()
+    overrides: dict[str, Any] = {}
+    for key in vars(args):
+        if key.startswith(("dataset.", "partition.")) or key == "seed":
+            if getattr(args, key) is not None:
+                overrides[key] = getattr(args, key)
+    if args.download:
+        overrides["dataset.download"] = True
+    if args.no_verify:
+        overrides["dataset.verify"] = False
+    for item in args.overrides:
+        k, v = parse_override(item)
+        overrides[k] = v
+    base = read_yaml(args.config) if args.config else {}
+    base.pop("clients_per_round", None)  # irrelevant here; must not fail the clients-per-round check
+    cfg = build_config(base, {**overrides, "clients_per_round": 1})
+    dataset = load_dataset_for(cfg)
+    fed = build_federation(cfg, dataset)
+    counts = fed.class_counts()
+    shown = counts[: args.max_rows]
+    table = Table(title=f"{cfg.dataset.name}: {cfg.partition.scheme}, {counts.shape[0]} clients (client x class counts)", title_justify="left")
+    table.add_column("client", justify="right")
+    for c in range(counts.shape[1]):
+        table.add_column(str(c), justify="right")
+    table.add_column("total", justify="right")
+    for k, row in enumerate(shown):
+        table.add_row(str(k), *(str(int(v)) if v else "." for v in row), str(int(row.sum())))
+    console.print(table)
+    if counts.shape[0] > args.max_rows:
+        console.print(f"... {counts.shape[0] - args.max_rows} more clients (see --max-rows)")
+    stats = partition_stats(counts)
+    st = Table(title="statistics", show_header=False, title_justify="left")
+    for key, value in stats.items():
+        st.add_row(key, f"{value:.4g}" if isinstance(value, float) else str(value))
+    console.print(st)
+    out = Path(args.out)
+    plot_partition(counts, out, f"{cfg.dataset.name} {cfg.partition.scheme}")
+    console.print(f"heatmap: {out}")
