@@ -39,7 +39,10 @@ def _bytes(n: int | None) -> str:
 def load_dataset_for(cfg: Config):
     from .data.sources import load_dataset
 
-    return load_dataset(cfg.dataset.name, cfg.dataset.data_dir, download=cfg.dataset.download, verify=cfg.dataset.verify)
+    options = {"split": cfg.dataset.split} if cfg.dataset.split is not None else {}
+    return load_dataset(
+        cfg.dataset.name, cfg.dataset.data_dir, download=cfg.dataset.download, verify=cfg.dataset.verify, **options
+    )
 
 
 def run_experiment(

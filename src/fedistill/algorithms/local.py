@@ -9,7 +9,7 @@ loss term such as FedProx's proximal term) and/or ``logit_transform``; the loop 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -47,7 +47,12 @@ def local_sgd(
     """Train ``client.model`` in place for ``epochs`` passes over the client's data."""
     model = client.model
     model.train()
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay)
+    # The fused kernel does weight decay, momentum and the update in one pass per tensor, without the
+    # temporary gradient copies of the default implementation: on CPU the optimizer step of the FedLMD
+    # CNN is memory-bound and was up to half of the step time (benchmarks/RESULTS.md).
+    optimizer = torch.optim.SGD(
+        model.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay, fused=client.device.type in ("cpu", "cuda")
+    )
     loss_sum = torch.zeros((), dtype=torch.float64)
     steps = seen = 0
     for _ in range(epochs):
@@ -71,16 +76,20 @@ def local_sgd(
 
 
 @torch.inference_mode()
-def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int = 1000, precision: str = "fp32") -> tuple[float, float]:
-    """Top-1 accuracy (fraction) and mean cross-entropy of ``model`` on pre-normalised tensors."""
+def evaluate(
+    model: nn.Module, batches: Iterable[tuple[torch.Tensor, torch.Tensor]], precision: str = "fp32"
+) -> tuple[float, float]:
+    """Top-1 accuracy (fraction) and mean cross-entropy of ``model`` over normalised ``(x, y)`` batches."""
     model.eval()
     correct = torch.zeros((), dtype=torch.int64)
     loss_sum = torch.zeros((), dtype=torch.float64)
-    for start in range(0, x.shape[0], batch_size):
-        xb, yb = x[start : start + batch_size], y[start : start + batch_size]
+    n = 0
+    for xb, yb in batches:
         with autocast_context(precision, xb.device):
             logits = model(xb).float()
         loss_sum += F.cross_entropy(logits, yb, reduction="sum").double().cpu()
         correct += (logits.argmax(1) == yb).sum().cpu()
-    n = x.shape[0]
+        n += yb.shape[0]
+    if n == 0:
+        raise ValueError("evaluate: no samples")
     return float(correct) / n, float(loss_sum) / n

@@ -95,7 +95,6 @@ class TensorPipeline:
         # x_norm = (x/255 - mean)/std = x * scale + shift: one fused op per batch.
         self._scale = (1.0 / (255.0 * std)).to(self.device)
         self._shift = (-mean / std).to(self.device)
-        self._test_cache: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def num_classes(self) -> int:
@@ -125,8 +124,8 @@ class TensorPipeline:
         for start in range(0, order.numel(), batch_size):
             yield self.train_batch(order[start : start + batch_size], generator)
 
-    def test_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The whole test split, normalised once and cached (evaluation runs every round)."""
-        if self._test_cache is None:
-            self._test_cache = (self.normalise(self.dataset.test_x), self.dataset.test_y.to(self.device))
-        return self._test_cache
+    def test_batches(self, batch_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """The test split in order, normalised batch by batch (no float copy of the whole split is kept)."""
+        x, y = self.dataset.test_x, self.dataset.test_y
+        for start in range(0, x.shape[0], batch_size):
+            yield self.normalise(x[start : start + batch_size]), y[start : start + batch_size].to(self.device)

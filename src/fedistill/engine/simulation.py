@@ -6,7 +6,6 @@ order, with bytes counted from the Messages, a checkpoint every N rounds and exa
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +23,7 @@ from ..errors import TrainingDiverged
 from ..models.flat import get_flat
 from ..registry import ALGORITHMS
 from .checkpoint import CHECKPOINT_NAME, check_compatible, load_checkpoint, save_checkpoint
+from .perf import keep_freed_memory_in_heap
 from .seeding import CLIENT, INIT, SERVER, derive_seed, make_generator, sample_clients
 
 
@@ -51,10 +51,11 @@ def build_federation(cfg: Config, dataset: Dataset) -> Federation:
     p = cfg.partition
     if p.scheme in ("lda", "client_dirichlet"):
         params["alpha"] = p.alpha
-    if p.scheme == "lda" and p.min_size is not None:
-        params["min_size"] = p.min_size
+    for key in ("min_size", "max_retries"):
+        if getattr(p, key) is not None:  # the config allows them only for lda
+            params[key] = getattr(p, key)
     if p.scheme == "shards":
-        params["shards_per_client"] = p.shards_per_client if p.shards_per_client is not None else 2
+        params["shards_per_client"] = p.shards_per_client
     part = make_partition(
         p.scheme,
         dataset.train_y.numpy(),
@@ -108,6 +109,8 @@ class Simulation:
         self.device = torch.device(cfg.run.device)
         if cfg.run.threads:
             torch.set_num_threads(cfg.run.threads)
+        if cfg.run.tune_allocator:
+            keep_freed_memory_in_heap()
         self.federation = federation or build_federation(cfg, dataset)
         self.pipeline = TensorPipeline(
             dataset,
@@ -175,8 +178,8 @@ class Simulation:
         )
 
     def evaluate_global(self) -> tuple[float, float]:
-        x, y = self.pipeline.test_tensors()
-        acc, loss = evaluate(self.server.model, x, y, self.cfg.eval.batch_size, self.cfg.run.precision)
+        batches = self.pipeline.test_batches(self.cfg.eval.batch_size)
+        acc, loss = evaluate(self.server.model, batches, self.cfg.run.precision)
         return 100.0 * acc, loss
 
     def run_round(self, rnd: int) -> dict[str, Any]:
@@ -191,6 +194,7 @@ class Simulation:
             reply = self.algorithm.local_update(self.client_context(cid, rnd), info, msg)
             bytes_up += reply.nbytes()
             replies[cid] = reply
+        train_seconds = time.perf_counter() - start
         extra = self.algorithm.aggregate(self.server, info, replies)
         if not bool(torch.isfinite(get_flat(self.server.model)).all()):
             last = self.state.round
@@ -211,9 +215,12 @@ class Simulation:
             "bytes_down": bytes_down,
             "bytes_up": bytes_up,
         }
+        eval_start = time.perf_counter()
         if rnd % self.cfg.eval.every == 0 or rnd == self.cfg.rounds:
             row["test_accuracy"], row["test_loss"] = self.evaluate_global()
         row.update(extra)
+        row["train_seconds"] = train_seconds  # broadcast + local updates of all clients
+        row["eval_seconds"] = time.perf_counter() - eval_start
         row["seconds"] = time.perf_counter() - start
         return row
 
@@ -251,7 +258,3 @@ def summarise(history: list[dict[str, Any]], target: float | None) -> dict[str, 
         "seconds": float(sum(r["seconds"] for r in history)),
         "mean_train_loss_last": history[-1]["train_loss"] if history else None,
     }
-
-
-def finite_or_none(x: float | None) -> float | None:
-    return None if x is None or not math.isfinite(x) else x

@@ -20,7 +20,10 @@ import yaml
 
 from ..errors import ConfigError
 
-METRIC_COLUMNS = ["round", "lr", "clients", "train_loss", "test_accuracy", "test_loss", "bytes_down", "bytes_up", "seconds"]
+METRIC_COLUMNS = [
+    "round", "lr", "clients", "train_loss", "test_accuracy", "test_loss", "bytes_down", "bytes_up",
+    "train_seconds", "eval_seconds", "seconds",
+]
 
 
 def _clean(value: Any) -> Any:
