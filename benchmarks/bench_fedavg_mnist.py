@@ -10,7 +10,7 @@ client, state_dict averaging, evaluation through a DataLoader with batch 50. Bot
 same partition, the same clients each round and the same initial weights, so their accuracies must agree
 (same algorithm, same work; only the batch order differs).
 
-Run:  python benchmarks/bench_fedavg_mnist.py --data-dir ../shared/data --rounds 20
+Run:  python benchmarks/bench_fedavg_mnist.py --data-dir ../shared/data --rounds 20 [--only plain --only bf16 ...]
 Writes a JSON with every round to benchmarks/out/ and prints a markdown table for RESULTS.md.
 """
 
@@ -45,6 +45,16 @@ PROTOCOL = {
     "local": {"epochs": 5, "batch_size": 50, "lr": 0.01, "lr_decay": 0.99, "momentum": 0.9, "weight_decay": 1e-5},
     "eval": {"every": 1, "batch_size": 100},
     "run": {"progress": False, "checkpoint_every": 0},
+}
+
+
+# fedistill variants: precision and executor (2 one-thread worker processes vs one two-thread process).
+VARIANTS = {
+    "plain": {},
+    "fp32": {"run.precision": "fp32"},
+    "bf16": {"run.precision": "bf16"},
+    "fp32-2workers": {"run.precision": "fp32", "run.workers": 2, "run.threads": 1},
+    "bf16-2workers": {"run.precision": "bf16", "run.workers": 2, "run.threads": 1},
 }
 
 
@@ -185,7 +195,7 @@ def main():
     ap.add_argument("--data-dir", default=os.environ.get("FEDISTILL_DATA", str(Path(__file__).resolve().parents[2] / "shared" / "data")))
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--threads", type=int, default=os.cpu_count())
-    ap.add_argument("--only", choices=["plain", "fp32", "bf16"], action="append")
+    ap.add_argument("--only", choices=list(VARIANTS), action="append")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "out"))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -207,13 +217,15 @@ def main():
         "rounds": args.rounds,
         "runs": {},
     }
-    todo = args.only or ["plain", "fp32", "bf16"]
+    # plain first: fedistill's runs change process-wide settings (the allocator) that plain must not get.
+    todo = [v for v in VARIANTS if v in (args.only or VARIANTS)]
     for name in todo:
+        torch.set_num_threads(args.threads)
         t0 = time.perf_counter()
         if name == "plain":
             rows = plain_fedavg(cfg, dataset, federation, args.rounds, log)
         else:
-            run_cfg = build_config(PROTOCOL, {"rounds": args.rounds, "dataset.data_dir": args.data_dir, "run.precision": name})
+            run_cfg = build_config(PROTOCOL, {"rounds": args.rounds, "dataset.data_dir": args.data_dir, **VARIANTS[name]})
             rows = fedistill_fedavg(run_cfg, dataset, federation, log, name)
         results["runs"][name] = {"summary": summarise(rows), "rows": rows, "wall_s": time.perf_counter() - t0}
         log(f"{name}: {json.dumps(results['runs'][name]['summary'])}")

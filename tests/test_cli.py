@@ -135,3 +135,10 @@ def test_console_script_exit_code_in_a_real_process(tmp_path):
         capture_output=True, text=True, env=env, timeout=120,
     )
     assert proc.returncode == 2 and proc.stderr.startswith("error: partition.alpha")
+
+
+def test_progress_bar_shows_round_and_accuracy(tmp_path, capsys):
+    args = [a for a in FAST if a != "--no-progress"]
+    assert main(["run", *args, "--out", str(tmp_path), "--name", "p"]) == 0
+    out = capsys.readouterr().out
+    assert "round 3/3" in out and "acc " in out and "%" in out

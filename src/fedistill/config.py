@@ -82,7 +82,8 @@ class RunConfig(_Section):
     precision: Literal["fp32", "bf16"] = Field("fp32", description="bf16 = autocast with fp32 master weights")
     channels_last: bool = True
     device: str = "cpu"
-    threads: int | None = Field(None, ge=1)
+    threads: int | None = Field(None, ge=1, description="intra-op threads (per worker when workers > 1)")
+    workers: int = Field(1, ge=1, description="client processes; workers x threads must not exceed the cores")
     tune_allocator: bool = Field(True, description="keep freed memory in glibc's heap (fewer page faults)")
     progress: bool = True
 

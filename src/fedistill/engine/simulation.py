@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import numpy as np
 import torch
@@ -22,6 +22,7 @@ from ..data.pipeline import AugmentSpec, TensorPipeline
 from ..errors import TrainingDiverged
 from ..models.flat import get_flat
 from ..registry import ALGORITHMS
+from .executors import ProcessPoolExecutor, SequentialExecutor, make_executor
 from .checkpoint import CHECKPOINT_NAME, check_compatible, load_checkpoint, save_checkpoint
 from .perf import keep_freed_memory_in_heap
 from .seeding import CLIENT, INIT, SERVER, derive_seed, make_generator, sample_clients
@@ -85,45 +86,53 @@ def build_model_for(cfg: Config, dataset: Dataset, seed_coords: tuple[int, ...])
 
 @dataclass
 class RunState:
-    """What a checkpoint holds besides the models."""
+    """What a checkpoint holds besides the models.
+
+    ``client_states`` is used by the in-process simulation, which keeps every client's persistent state on
+    the clients' behalf; in a real deployment each client keeps its own.
+    """
 
     round: int = 0
     history: list[dict[str, Any]] = field(default_factory=list)
     client_states: dict[int, dict[str, Any]] = field(default_factory=dict)
 
 
-class Simulation:
-    """Runs ``cfg.rounds`` rounds of ``cfg.algorithm`` on a federation, writing to ``run_dir`` if given."""
+def round_info(cfg: Config, rnd: int) -> RoundInfo:
+    """Per-round hyperparameters: η_t = η_0 γ^(t-1) (fedavg.md ambiguity 3)."""
+    return RoundInfo(round=rnd, lr=cfg.local.lr * cfg.local.lr_decay ** (rnd - 1))
 
-    def __init__(
-        self,
-        cfg: Config,
-        dataset: Dataset,
-        run_dir: Path | None = None,
-        on_round: Callable[[dict[str, Any]], None] | None = None,
-        federation: Federation | None = None,
-    ) -> None:
+
+def make_algorithm(cfg: Config) -> Algorithm:
+    algo_cls = ALGORITHMS.get(cfg.algorithm.name, key="algorithm.name")
+    return algo_cls(algorithm_params(algo_cls, cfg), cfg.local)
+
+
+def apply_process_settings(cfg: Config) -> None:
+    # With worker processes, run.threads is each worker's count; this process (aggregation, evaluation)
+    # keeps all cores, since it is idle while the workers train.
+    if cfg.run.threads and cfg.run.workers == 1:
+        torch.set_num_threads(cfg.run.threads)
+    if cfg.run.tune_allocator:
+        keep_freed_memory_in_heap()
+
+
+class ServerRuntime:
+    """The server half of a round: sampling, broadcast, aggregation, evaluation, metrics, checkpoints.
+
+    It knows the clients only by id and talks to them only through Messages, so the same object drives
+    the in-process simulation and a Flower deployment.
+    """
+
+    def __init__(self, cfg: Config, dataset: Dataset, num_clients: int, run_dir: Path | None = None) -> None:
         self.cfg = cfg
         self.run_dir = run_dir
-        self.on_round = on_round
+        self.num_clients = num_clients
         self.device = torch.device(cfg.run.device)
-        if cfg.run.threads:
-            torch.set_num_threads(cfg.run.threads)
-        if cfg.run.tune_allocator:
-            keep_freed_memory_in_heap()
-        self.federation = federation or build_federation(cfg, dataset)
-        self.pipeline = TensorPipeline(
-            dataset,
-            AugmentSpec.from_names(self.cfg.augmentations()),
-            device=self.device,
-            channels_last=cfg.run.channels_last,
-        )
-        algo_cls = ALGORITHMS.get(cfg.algorithm.name, key="algorithm.name")
-        self.algorithm: Algorithm = algo_cls(algorithm_params(algo_cls, cfg), cfg.local)
-        global_model = build_model_for(cfg, dataset, (INIT,))
-        self.worker = build_model_for(cfg, dataset, (INIT,))  # reused by every client; weights overwritten
+        self.algorithm = make_algorithm(cfg)
+        # The server evaluates on the global test split; it never augments.
+        self.test_pipeline = TensorPipeline(dataset, device=self.device, channels_last=cfg.run.channels_last)
         self.server = ServerContext(
-            model=global_model,
+            model=build_model_for(cfg, dataset, (INIT,)),
             state={},
             generator=make_generator(cfg.seed, SERVER, 0),
             num_classes=dataset.num_classes,
@@ -132,7 +141,6 @@ class Simulation:
         self.state = RunState()
         self.algorithm.init_server(self.server)
 
-    # ------------------------------------------------------------------------------------------
     @property
     def checkpoint_path(self) -> Path | None:
         return self.run_dir / CHECKPOINT_NAME if self.run_dir else None
@@ -159,57 +167,43 @@ class Simulation:
         self.server.state = payload["server_state"]
         self.state = RunState(payload["round"], payload["history"], payload["client_states"])
 
-    # ------------------------------------------------------------------------------------------
-    def round_info(self, rnd: int) -> RoundInfo:
-        return RoundInfo(round=rnd, lr=self.cfg.local.lr * self.cfg.local.lr_decay ** (rnd - 1))
+    def select_clients(self, rnd: int) -> list[int]:
+        return sample_clients(self.num_clients, self.cfg.clients_per_round, self.cfg.seed, rnd)
 
-    def client_context(self, cid: int, rnd: int) -> ClientContext:
-        fed = self.federation
-        return ClientContext(
-            cid=cid,
-            train_indices=fed.train_indices[cid],
-            test_indices=fed.test_indices[cid] if fed.test_indices is not None else None,
-            data=self.pipeline,
-            model=self.worker,
-            generator=make_generator(self.cfg.seed, CLIENT, rnd, cid),
-            state=self.state.client_states.setdefault(cid, {}),
-            device=self.device,
-            precision=self.cfg.run.precision,
-        )
+    def broadcast(self, info: RoundInfo, cid: int) -> Message:
+        return self.algorithm.broadcast(self.server, info, cid)
 
     def evaluate_global(self) -> tuple[float, float]:
-        batches = self.pipeline.test_batches(self.cfg.eval.batch_size)
+        batches = self.test_pipeline.test_batches(self.cfg.eval.batch_size)
         acc, loss = evaluate(self.server.model, batches, self.cfg.run.precision)
         return 100.0 * acc, loss
 
-    def run_round(self, rnd: int) -> dict[str, Any]:
-        start = time.perf_counter()
-        info = self.round_info(rnd)
-        selected = sample_clients(self.federation.num_clients, self.cfg.clients_per_round, self.cfg.seed, rnd)
-        bytes_down = bytes_up = 0
-        replies: dict[int, Message] = {}
-        for cid in selected:
-            msg = self.algorithm.broadcast(self.server, info, cid)
-            bytes_down += msg.nbytes()
-            reply = self.algorithm.local_update(self.client_context(cid, rnd), info, msg)
-            bytes_up += reply.nbytes()
-            replies[cid] = reply
-        train_seconds = time.perf_counter() - start
+    def complete_round(
+        self, info: RoundInfo, replies: dict[int, Message], bytes_down: int, bytes_up: int, started: float
+    ) -> dict[str, Any]:
+        """Aggregate the replies (client-id order), check, evaluate, record and checkpoint the round."""
+        train_seconds = time.perf_counter() - started
+        replies = {cid: replies[cid] for cid in sorted(replies)}
         extra = self.algorithm.aggregate(self.server, info, replies)
+        rnd = info.round
         if not bool(torch.isfinite(get_flat(self.server.model)).all()):
             last = self.state.round
-            where = f"the last good checkpoint (round {last}) is {self.checkpoint_path}" if self.checkpoint_path and last else "no checkpoint was written"
+            where = (
+                f"the last good checkpoint (round {last}) is {self.checkpoint_path}"
+                if self.checkpoint_path and self.checkpoint_path.exists()
+                else "no checkpoint was written"
+            )
             raise TrainingDiverged(
                 f"round {rnd}: the global model became non-finite (NaN/inf); {where}. "
                 f"Lower local.lr (now {info.lr:g}) or check the data."
             )
-        losses = [float(r["train_loss"]) for r in replies.values() if "train_loss" in r]
-        sizes = [self.federation.train_indices[c].numel() for c in replies if "train_loss" in replies[c]]
+        losses = [(float(r["train_loss"]), int(r.get("num_samples", 1))) for r in replies.values() if "train_loss" in r]
+        weight = sum(n for _, n in losses)
         row: dict[str, Any] = {
             "round": rnd,
             "lr": info.lr,
-            "clients": len(selected),
-            "train_loss": float(np.average(losses, weights=sizes)) if losses and sum(sizes) else None,
+            "clients": len(replies),
+            "train_loss": sum(l * n for l, n in losses) / weight if weight else None,
             "test_accuracy": None,
             "test_loss": None,
             "bytes_down": bytes_down,
@@ -219,24 +213,159 @@ class Simulation:
         if rnd % self.cfg.eval.every == 0 or rnd == self.cfg.rounds:
             row["test_accuracy"], row["test_loss"] = self.evaluate_global()
         row.update(extra)
-        row["train_seconds"] = train_seconds  # broadcast + local updates of all clients
+        row["train_seconds"] = train_seconds  # broadcast + local updates (+ transport) of all clients
         row["eval_seconds"] = time.perf_counter() - eval_start
-        row["seconds"] = time.perf_counter() - start
+        row["seconds"] = time.perf_counter() - started
+        self.state.round = rnd
+        self.state.history.append(row)
+        every = self.cfg.run.checkpoint_every
+        if (every and rnd % every == 0) or rnd == self.cfg.rounds:
+            self.save()
         return row
+
+
+class ClientRuntime:
+    """The client half: local data, one reused worker model, and ``local_update``.
+
+    It holds its own algorithm instance, so nothing reaches a client except the Message (in the
+    simulation as on Flower).
+    """
+
+    def __init__(
+        self,
+        cfg: Config,
+        dataset: Dataset,
+        train_indices: Mapping[int, torch.Tensor],
+        test_indices: Mapping[int, torch.Tensor] | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.device = torch.device(cfg.run.device)
+        self.train_indices = train_indices
+        self.test_indices = test_indices
+        self.algorithm = make_algorithm(cfg)
+        self.pipeline = TensorPipeline(
+            dataset, AugmentSpec.from_names(cfg.augmentations()), device=self.device, channels_last=cfg.run.channels_last
+        )
+        self.worker = build_model_for(cfg, dataset, (INIT,))  # reused by every client; weights overwritten
+
+    def context(self, cid: int, rnd: int, state: dict[str, Any]) -> ClientContext:
+        return ClientContext(
+            cid=cid,
+            train_indices=self.train_indices[cid],
+            test_indices=self.test_indices[cid] if self.test_indices is not None else None,
+            data=self.pipeline,
+            model=self.worker,
+            generator=make_generator(self.cfg.seed, CLIENT, rnd, cid),
+            state=state,
+            device=self.device,
+            precision=self.cfg.run.precision,
+        )
+
+    def update(self, cid: int, info: RoundInfo, msg: Message, state: dict[str, Any]) -> Message:
+        return self.algorithm.local_update(self.context(cid, info.round, state), info, msg)
+
+
+class Simulation:
+    """Runs ``cfg.rounds`` rounds in one process: a ServerRuntime whose messages go straight to a ClientRuntime."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        dataset: Dataset,
+        run_dir: Path | None = None,
+        on_round: Callable[[dict[str, Any]], None] | None = None,
+        federation: Federation | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.on_round = on_round
+        apply_process_settings(cfg)
+        self.federation = federation or build_federation(cfg, dataset)
+        fed = self.federation
+        self.server_runtime = ServerRuntime(cfg, dataset, fed.num_clients, run_dir)
+        self.client_runtime = ClientRuntime(
+            cfg,
+            dataset,
+            dict(enumerate(fed.train_indices)),
+            dict(enumerate(fed.test_indices)) if fed.test_indices is not None else None,
+        )
+        self.dataset = dataset
+        self._executor: SequentialExecutor | ProcessPoolExecutor | None = None
+
+    @property
+    def executor(self) -> SequentialExecutor | ProcessPoolExecutor:
+        if self._executor is None:  # started on first use: worker processes cost a second or two
+            self._executor = make_executor(self.cfg, self.dataset, self.federation, self.client_runtime)
+        return self._executor
+
+    def close(self) -> None:
+        """Stop worker processes (if any). Safe to call more than once."""
+        if self._executor is not None:
+            self._executor.close()
+            self._executor = None
+
+    # The server's pieces, under the names the rest of the code and the tests use.
+    @property
+    def server(self) -> ServerContext:
+        return self.server_runtime.server
+
+    @property
+    def algorithm(self) -> Algorithm:
+        return self.server_runtime.algorithm
+
+    @property
+    def state(self) -> RunState:
+        return self.server_runtime.state
+
+    @property
+    def pipeline(self) -> TensorPipeline:
+        return self.client_runtime.pipeline
+
+    @property
+    def run_dir(self) -> Path | None:
+        return self.server_runtime.run_dir
+
+    @run_dir.setter
+    def run_dir(self, path: Path | None) -> None:
+        self.server_runtime.run_dir = path
+
+    @property
+    def checkpoint_path(self) -> Path | None:
+        return self.server_runtime.checkpoint_path
+
+    def restore(self, path: Path | None = None) -> None:
+        self.server_runtime.restore(path)
+
+    def round_info(self, rnd: int) -> RoundInfo:
+        return round_info(self.cfg, rnd)
+
+    def run_round(self, rnd: int) -> dict[str, Any]:
+        started = time.perf_counter()
+        info = self.round_info(rnd)
+        selected = self.server_runtime.select_clients(rnd)
+        tasks = []
+        for cid in selected:
+            msg = self.server_runtime.broadcast(info, cid)
+            tasks.append((cid, info, msg, self.state.client_states.setdefault(cid, {})))
+        results = self.executor.run(tasks)
+        replies: dict[int, Message] = {}
+        for (cid, _, _, _), (reply, state) in zip(tasks, results):
+            replies[cid] = reply
+            self.state.client_states[cid] = state
+        bytes_down = sum(msg.nbytes() for _, _, msg, _ in tasks)
+        bytes_up = sum(reply.nbytes() for reply in replies.values())
+        return self.server_runtime.complete_round(info, replies, bytes_down, bytes_up, started)
 
     def run(self, resume: bool = False) -> list[dict[str, Any]]:
         """Run (or continue) to ``cfg.rounds``; returns the per-round metric rows."""
         if resume:
             self.restore()
-        every = self.cfg.run.checkpoint_every
-        for rnd in range(self.state.round + 1, self.cfg.rounds + 1):
-            row = self.run_round(rnd)
-            self.state.round = rnd
-            self.state.history.append(row)
-            if self.on_round:
-                self.on_round(row)
-            if (every and rnd % every == 0) or rnd == self.cfg.rounds:
-                self.save()
+        try:
+            for rnd in range(self.state.round + 1, self.cfg.rounds + 1):
+                row = self.run_round(rnd)
+                if self.on_round:
+                    self.on_round(row)
+        finally:
+            self.close()
         return self.state.history
 
 

@@ -1,0 +1,111 @@
+"""Executors: where the clients of a round run.
+
+``SequentialExecutor`` runs them one after another in this process (all cores to each client).
+``ProcessPoolExecutor`` runs them in ``workers`` processes with ``threads`` intra-op threads each: small
+models at batch 50 use two cores poorly inside one step, so two one-thread workers do about 1.3x the work
+of one two-thread process (benchmarks/RESULTS.md). Results do not depend on the executor's schedule:
+every client draws from its own (seed, round, client) stream, replies are aggregated in client-id order,
+and each worker has the same thread count, so any pool of the same thread count gives identical numbers.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import multiprocessing
+import os
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from ..algorithms.base import Message, RoundInfo
+from ..errors import ConfigError
+
+Task = tuple[int, RoundInfo, Message, dict[str, Any]]  # (client id, round info, broadcast, client state)
+Result = tuple[Message, dict[str, Any]]  # (reply, updated client state)
+
+
+class SequentialExecutor:
+    def __init__(self, client_runtime: Any) -> None:
+        self.client_runtime = client_runtime
+
+    def run(self, tasks: Sequence[Task]) -> list[Result]:
+        results = []
+        for cid, info, msg, state in tasks:
+            results.append((self.client_runtime.update(cid, info, msg, state), state))
+        return results
+
+    def close(self) -> None:
+        pass
+
+
+# -- worker side -------------------------------------------------------------------------------
+_WORKER_RUNTIME: Any = None
+
+
+def _init_worker(config: dict[str, Any], dataset: Any, train_indices: Mapping[int, torch.Tensor], test_indices: Any, threads: int) -> None:
+    from ..config import build_config
+    from .perf import keep_freed_memory_in_heap
+    from .simulation import ClientRuntime
+
+    global _WORKER_RUNTIME
+    torch.set_num_threads(threads)
+    cfg = build_config(config)
+    if cfg.run.tune_allocator:
+        keep_freed_memory_in_heap()
+    _WORKER_RUNTIME = ClientRuntime(cfg, dataset, train_indices, test_indices)
+
+
+def _run_task(cid: int, info: RoundInfo, msg: dict[str, Any], state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    reply = _WORKER_RUNTIME.update(cid, info, Message(msg), state)
+    return dict(reply), state
+
+
+class ProcessPoolExecutor:
+    """Clients in ``workers`` spawned processes; the dataset tensors are shared, not copied."""
+
+    def __init__(self, cfg: Any, dataset: Any, federation: Any, workers: int, threads: int) -> None:
+        import torch.multiprocessing  # noqa: F401  (registers tensor sharing through shared memory)
+
+        for tensor in (dataset.train_x, dataset.train_y, dataset.test_x, dataset.test_y):
+            tensor.share_memory_()
+        self._sizes = [int(ix.numel()) for ix in federation.train_indices]
+        train = dict(enumerate(federation.train_indices))
+        test = dict(enumerate(federation.test_indices)) if federation.test_indices is not None else None
+        # spawn, not fork: forking a process whose OpenMP runtime is already initialised can deadlock.
+        self._pool = concurrent.futures.ProcessPoolExecutor(
+            max_workers=workers,
+            mp_context=multiprocessing.get_context("spawn"),
+            initializer=_init_worker,
+            initargs=(cfg.to_dict(), dataset, train, test, threads),
+        )
+
+    def run(self, tasks: Sequence[Task]) -> list[Result]:
+        # Largest clients first (LPT scheduling): under label skew client sizes differ by 50x, and
+        # submitting in id order left one worker idle while the other trained the big client.
+        order = sorted(range(len(tasks)), key=lambda i: -self._sizes[tasks[i][0]])
+        futures = {i: self._pool.submit(_run_task, tasks[i][0], tasks[i][1], dict(tasks[i][2]), tasks[i][3]) for i in order}
+        out = []
+        for i in range(len(tasks)):
+            reply, state = futures[i].result()
+            out.append((Message(reply), state))
+        return out
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+def make_executor(cfg: Any, dataset: Any, federation: Any, client_runtime: Any) -> SequentialExecutor | ProcessPoolExecutor:
+    """The executor ``cfg.run.workers`` asks for (1 = sequential, in this process)."""
+    workers = cfg.run.workers
+    if workers == 1:
+        return SequentialExecutor(client_runtime)
+    cores = os.cpu_count() or 1
+    if cfg.run.device != "cpu":
+        raise ConfigError(f"run.workers: parallel client workers run on the CPU only (run.device is {cfg.run.device!r}); use run.workers=1")
+    threads = cfg.run.threads or max(1, cores // workers)
+    if workers * threads > cores:
+        raise ConfigError(
+            f"run.workers: {workers} workers x {threads} threads exceed the {cores} CPU cores; "
+            "oversubscribing makes rounds several times slower. Lower run.workers or run.threads"
+        )
+    return ProcessPoolExecutor(cfg, dataset, federation, workers, threads)
