@@ -44,6 +44,10 @@ def plot_partition(counts: np.ndarray, path: Path, title: str = "") -> None:
     im = ax.imshow(counts, aspect="auto", cmap="viridis", interpolation="nearest")
     ax.set_xlabel("class")
     ax.set_ylabel("client")
+    from matplotlib.ticker import MaxNLocator
+
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))  # client ids, never 2.5
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     if c <= 20:
         ax.set_xticks(range(c))
     ax.set_title(title or f"{k} clients x {c} classes")
