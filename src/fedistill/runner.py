@@ -17,9 +17,9 @@ from .report.rundir import RunDirectory, read_run
 
 
 def make_console() -> Console:
-    """A console for our tables: at least 120 columns when output is not a terminal (logs, CI)."""
+    """A console for our tables: at least 150 columns when output is not a terminal (logs, CI)."""
     console = Console()
-    return console if console.is_terminal else Console(width=max(console.width, 120))
+    return console if console.is_terminal else Console(width=max(console.width, 150))
 
 
 def _fmt(x: Any, spec: str = ".2f") -> str:
@@ -118,11 +118,14 @@ def run_experiment(
 
 def print_summary(console: Console, summaries: dict[str, dict[str, Any]]) -> None:
     table = Table(title="summary", title_justify="left")
-    for col in ("run", "rounds", "final acc %", "best acc %", "best round", "rounds to target", "bytes down", "bytes up", "seconds"):
-        table.add_column(col, justify="left" if col == "run" else "right")
+    for col in ("run", "rounds", "final acc %", "best acc %", "best round", "to target", "down", "up", "seconds"):
+        if col == "run":
+            table.add_column(col, justify="left", overflow="fold", min_width=28)  # names must stay readable
+        else:
+            table.add_column(col, justify="right")
     for name, s in summaries.items():
         target = s.get("target_accuracy")
-        to_target = "-" if target is None else (str(s["rounds_to_target"]) if s.get("rounds_to_target") else f"not reached ({target:g}%)")
+        to_target = "-" if target is None else (str(s["rounds_to_target"]) if s.get("rounds_to_target") else "not reached")
         table.add_row(
             name,
             str(s.get("rounds", "-")),
