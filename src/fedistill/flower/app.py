@@ -1,0 +1,369 @@
+"""The Flower ServerApp and ClientApp that run any fedistill algorithm unchanged.
+
+Server (``server_app``): reads the fedistill configuration from the run config (see :mod:`.settings`),
+builds the same :class:`~fedistill.engine.simulation.ServerRuntime` the simulation uses, finds which
+SuperNode holds which client (a ``query.fedistill_hello`` message answered with the node's
+``partition-id``), and then, every round, sends the broadcast Messages of the sampled clients, waits for
+the replies (at most ``round-timeout`` seconds, less when a SuperNode leaves) and hands them to
+``ServerRuntime.complete_round``: aggregation in client-id order, evaluation, metrics and checkpoints are
+the simulation's own code. The run directory is written as by ``fedistill run``.
+
+Client (``client_app``): rebuilds the dataset and its own partition (once per process) from the node
+config -- ``partition-id`` and ``num-partitions`` with the run's partitioner and seed, or ``data-dir``, a
+local directory whose whole train split is this client's data -- and runs ``ClientRuntime.update`` with
+the client's persistent state kept in ``context.state``.
+
+Node config keys (``flower-supernode --node-config '...'``): ``partition-id`` (this node's client id,
+required), ``num-partitions`` (must equal ``partition.num_clients``), ``data-dir`` (optional, local data),
+``threads`` (torch intra-op threads of the ClientApp process, default 1).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from flwr.app import ConfigRecord, Context, Message as FlowerMessage, RecordDict
+from flwr.clientapp import ClientApp
+from flwr.serverapp import Grid, ServerApp
+
+from ..algorithms.base import Message
+from ..config import Config, build_config
+from ..errors import ConfigError, FedistillError, TrainingDiverged
+from .records import load_client_state, message_to_records, records_to_message, records_to_round, save_client_state
+from .settings import FlowerSettings
+
+log = logging.getLogger("fedistill.flower")
+
+HELLO = "query.fedistill_hello"
+TRAIN = "train.fedistill"
+_INFO = "fedistill.info"
+_CONFIG = "fedistill.config"
+
+
+class RoundFailed(FedistillError):
+    """Too few clients replied in time; the run stops and keeps its last checkpoint."""
+
+
+class FederationError(FedistillError):
+    """The SuperNodes do not match the configuration (partition ids, counts)."""
+
+
+def _say(text: str) -> None:
+    # The ServerApp's stdout is what `flwr log` / `flwr run --stream` show.
+    print(f"[fedistill] {text}", flush=True)
+
+
+# ======================================================================================= server
+@dataclass
+class NodeMap:
+    """Client id <-> SuperNode id, learned by asking each node for its node config."""
+
+    grid: Grid
+    num_clients: int
+    config_json: str
+    node_of: dict[int, int] = field(default_factory=dict)
+    asked: set[int] = field(default_factory=set)
+
+    def live_nodes(self) -> set[int]:
+        return set(self.grid.get_node_ids())
+
+    def discover(self, wait: float, need: set[int] | None = None) -> None:
+        """Ask new nodes who they are until every client in ``need`` (default: all) has a node or ``wait`` passes."""
+        need = set(range(self.num_clients)) if need is None else need
+        deadline = time.monotonic() + wait
+        pending: dict[str, int] = {}  # message id -> node id
+        while True:
+            live = self.live_nodes()
+            for cid in [c for c, n in self.node_of.items() if n not in live]:
+                del self.node_of[cid]  # the node left; a restarted SuperNode comes back with a new id
+            new = [n for n in live if n not in self.asked]
+            if new:
+                msgs = [
+                    FlowerMessage(
+                        RecordDict({_CONFIG: ConfigRecord({"json": self.config_json, "num_clients": self.num_clients})}),
+                        dst_node_id=n,
+                        message_type=HELLO,
+                        ttl=max(wait, 60.0),
+                    )
+                    for n in new
+                ]
+                for n, mid in zip(new, self.grid.push_messages(msgs)):
+                    pending[mid] = n
+                    self.asked.add(n)
+            if pending:
+                for reply in self.grid.pull_messages(list(pending)):
+                    node = pending.pop(reply.metadata.reply_to_message_id, None)
+                    if node is None:
+                        continue
+                    if reply.has_error():
+                        _say(f"SuperNode {node} could not answer the discovery query: {reply.error.reason}")
+                        continue
+                    self._register(node, reply.content.config_records[_INFO])
+            if need <= set(self.node_of) or time.monotonic() >= deadline:
+                return
+            time.sleep(0.2)
+
+    def _register(self, node: int, info: ConfigRecord) -> None:
+        if "error" in info:
+            raise FederationError(f"SuperNode {node}: {info['error']}")
+        cid, count = int(info["partition-id"]), int(info["num-partitions"])
+        if count != self.num_clients:
+            raise FederationError(
+                f"SuperNode {node} has num-partitions={count} but the configuration has partition.num_clients="
+                f"{self.num_clients}; start every SuperNode with --node-config 'partition-id=<0..{self.num_clients - 1}> "
+                f"num-partitions={self.num_clients}'"
+            )
+        if not 0 <= cid < self.num_clients:
+            raise FederationError(f"SuperNode {node} has partition-id={cid}, outside 0..{self.num_clients - 1}")
+        other = self.node_of.get(cid)
+        if other is not None and other != node and other in self.live_nodes():
+            raise FederationError(f"SuperNodes {other} and {node} both have partition-id={cid}; each client needs its own")
+        self.node_of[cid] = node
+        where = f"data-dir {info['data-dir']}" if info.get("data-dir") else f"partition {cid}/{count}"
+        _say(f"client {cid} is SuperNode {node} ({where})")
+
+
+def _wait_for_replies(
+    grid: Grid, sent: dict[str, int], node_of: dict[int, int], timeout: float
+) -> tuple[dict[int, FlowerMessage], dict[int, str]]:
+    """Pull the replies of ``sent`` (message id -> client id) until all arrived, their nodes left, or timeout."""
+    deadline = time.monotonic() + timeout
+    replies: dict[int, FlowerMessage] = {}
+    failed: dict[int, str] = {}
+    pending = dict(sent)
+    next_liveness = time.monotonic() + 1.0
+    while pending:
+        for reply in grid.pull_messages(list(pending)):
+            cid = pending.pop(reply.metadata.reply_to_message_id, None)
+            if cid is None:
+                continue
+            if reply.has_error():
+                failed[cid] = f"error reply ({reply.error.reason})"
+            else:
+                replies[cid] = reply
+        if not pending:
+            break
+        now = time.monotonic()
+        if now >= deadline:
+            for cid in pending.values():
+                failed[cid] = f"no reply within round-timeout={timeout:g}s"
+            break
+        if now >= next_liveness:  # a SuperNode that left will never answer: stop waiting for it
+            live = set(grid.get_node_ids())
+            for mid, cid in list(pending.items()):
+                if node_of.get(cid) not in live:
+                    failed[cid] = "its SuperNode left the federation"
+                    del pending[mid]
+            next_liveness = now + 1.0
+        time.sleep(0.2)
+    return replies, failed
+
+
+def run_server(grid: Grid, cfg: Config, settings: FlowerSettings) -> dict[str, Any]:
+    """The round loop of a fedistill run on Flower; returns the summary (also written to summary.json)."""
+    from ..engine.simulation import ServerRuntime, apply_process_settings, build_federation, round_info, summarise
+    from ..models.flat import num_flat
+    from ..report.plots import plot_accuracy, plot_partition
+    from ..report.rundir import RunDirectory
+    from ..runner import load_dataset_for
+
+    apply_process_settings(cfg)
+    dataset = load_dataset_for(cfg)
+    federation = build_federation(cfg, dataset)  # the partition statistics of the run directory
+    num_clients = federation.num_clients
+    if settings.run_dir:
+        path = Path(settings.run_dir)
+        run_dir = RunDirectory(path) if settings.resume else RunDirectory.create(path.parent, path.name, path.name)
+    elif settings.resume:
+        raise ConfigError("run config resume=true needs run-dir (the run directory to continue)")
+    else:
+        run_dir = RunDirectory.create(cfg.run.out_dir, cfg.run.name, f"{cfg.algorithm.name}-{cfg.dataset.name}-flower")
+    runtime = ServerRuntime(cfg, dataset, num_clients, run_dir.path)
+    if settings.resume:
+        runtime.restore()
+        run_dir.rewrite_metrics(runtime.state.history)  # drop rows written after the checkpoint
+    run_dir.write_config(cfg.to_dict())
+    counts = federation.class_counts()
+    run_dir.write_partition(counts)
+    plot_partition(counts, run_dir.path / "partition.png", f"{cfg.partition.scheme}: {num_clients} clients")
+    _say(
+        f"{cfg.algorithm.name} on {cfg.dataset.name}, {num_clients} clients, {cfg.clients_per_round}/round, "
+        f"{cfg.rounds} rounds -> {run_dir.path}" + (f" (resuming after round {runtime.state.round})" if settings.resume else "")
+    )
+
+    nodes = NodeMap(grid, num_clients, json.dumps(cfg.to_dict()))
+    nodes.discover(settings.discovery_timeout)
+    missing = sorted(set(range(num_clients)) - set(nodes.node_of))
+    if missing:
+        _say(f"after {settings.discovery_timeout:g}s no SuperNode holds client(s) {missing}; rounds go on without them")
+
+    def finish(status: str, error: str | None = None) -> dict[str, Any]:
+        history = runtime.state.history
+        summary = summarise(history, cfg.eval.target_accuracy)
+        summary.update(status=status, run_dir=str(run_dir.path), model_parameters=num_flat(runtime.server.model))
+        if error:
+            summary["error"] = error
+        run_dir.write_csv(history)
+        run_dir.write_summary(summary)
+        return summary
+
+    try:
+        for rnd in range(runtime.state.round + 1, cfg.rounds + 1):
+            started = time.perf_counter()
+            info = round_info(cfg, rnd)
+            selected = runtime.select_clients(rnd)
+            live = nodes.live_nodes()
+            unmapped = {c for c in selected if nodes.node_of.get(c) not in live}
+            if unmapped:  # a SuperNode restarted (new node id) or joined late: ask the new ones, briefly
+                nodes.discover(min(10.0, settings.round_timeout), need=unmapped)
+            messages: dict[int, Message] = {cid: runtime.broadcast(info, cid) for cid in selected}
+            reachable = [cid for cid in selected if cid in nodes.node_of]
+            failed: dict[int, str] = {cid: "no SuperNode holds this client" for cid in selected if cid not in nodes.node_of}
+            outgoing = [
+                FlowerMessage(
+                    message_to_records(messages[cid], info, cid),
+                    dst_node_id=nodes.node_of[cid],
+                    message_type=TRAIN,
+                    group_id=str(rnd),
+                    ttl=settings.round_timeout,
+                )
+                for cid in reachable
+            ]
+            sent = dict(zip(grid.push_messages(outgoing), reachable)) if outgoing else {}
+            arrived, lost = _wait_for_replies(grid, sent, nodes.node_of, settings.round_timeout)
+            failed.update(lost)
+            replies = {cid: records_to_message(arrived[cid].content) for cid in sorted(arrived)}
+            need = settings.required_replies(len(selected))
+            if failed:
+                detail = "; ".join(f"client {c}: {why}" for c, why in sorted(failed.items()))
+                if len(replies) < need:
+                    last = runtime.state.round
+                    ckpt = runtime.checkpoint_path
+                    kept = f"the last checkpoint (round {last}) is {ckpt}" if ckpt and ckpt.exists() else "no checkpoint was written yet"
+                    raise RoundFailed(
+                        f"round {rnd}: {len(replies)} of {len(selected)} sampled clients replied, {need} needed "
+                        f"(min-fraction={settings.min_fraction:g}, min-replies={settings.min_replies}): {detail}. "
+                        f"The run stops; {kept}. Restart the SuperNodes and continue with "
+                        f"--run-config 'resume=true run-dir=\"{run_dir.path}\"'"
+                    )
+                _say(f"round {rnd}: continuing with {len(replies)} of {len(selected)} clients ({detail})")
+            bytes_down = sum(messages[cid].nbytes() for cid in reachable)
+            bytes_up = sum(reply.nbytes() for reply in replies.values())
+            row = runtime.complete_round(info, replies, bytes_down, bytes_up, started)
+            run_dir.append_metrics(row)
+            acc = row.get("test_accuracy")
+            _say(
+                f"round {rnd}/{cfg.rounds}: {len(replies)} clients, "
+                + (f"accuracy {acc:.2f}%, " if acc is not None else "")
+                + f"{bytes_down} B down, {bytes_up} B up, {row['seconds']:.1f} s"
+            )
+    except RoundFailed as exc:
+        finish("failed", str(exc))
+        raise
+    except TrainingDiverged as exc:
+        finish("diverged", str(exc))
+        raise
+    summary = finish("finished")
+    curve = [(r["round"], r["test_accuracy"]) for r in runtime.state.history if r.get("test_accuracy") is not None]
+    plot_accuracy({cfg.algorithm.name: curve}, run_dir.path / "accuracy.png", cfg.eval.target_accuracy)
+    _say(f"finished: final accuracy {summary['final_accuracy']}, run directory {run_dir.path}")
+    return summary
+
+
+server_app = ServerApp()
+
+
+@server_app.main()
+def server_main(grid: Grid, context: Context) -> None:
+    settings = FlowerSettings.from_run_config(context.run_config)
+    run_server(grid, settings.config(), settings)
+
+
+# ======================================================================================= client
+_CLIENT_CACHE: dict[tuple[Any, ...], Any] = {}
+
+
+def _node_identity(node_config: dict[str, Any]) -> tuple[int, int, str]:
+    if "partition-id" not in node_config:
+        raise ConfigError(
+            "node config: partition-id is missing; start the SuperNode with "
+            "--node-config 'partition-id=<client id> num-partitions=<number of clients>'"
+        )
+    pid = int(node_config["partition-id"])
+    count = int(node_config.get("num-partitions", -1))
+    return pid, count, str(node_config.get("data-dir", "") or "")
+
+
+def _client_runtime(config_json: str, node_config: dict[str, Any]) -> Any:
+    """The ClientRuntime of this node (cached per process: the dataset is loaded and split once)."""
+    pid, count, data_dir = _node_identity(node_config)
+    key = (config_json, pid, count, data_dir)
+    runtime = _CLIENT_CACHE.get(key)
+    if runtime is not None:
+        return runtime
+    from ..data.sources import load_dataset
+    from ..engine.perf import keep_freed_memory_in_heap
+    from ..engine.simulation import ClientRuntime, build_federation
+    from ..runner import load_dataset_for
+
+    cfg = build_config(json.loads(config_json))
+    torch.set_num_threads(int(node_config.get("threads", 1)))  # one ClientApp process per core by default
+    if cfg.run.tune_allocator:
+        keep_freed_memory_in_heap()
+    if data_dir:
+        # A site with its own files: its whole train split is this client's data.
+        options = {"split": cfg.dataset.split} if cfg.dataset.split is not None else {}
+        dataset = load_dataset(cfg.dataset.name, data_dir, download=False, verify=cfg.dataset.verify, **options)
+        train = {pid: torch.arange(len(dataset.train_y), dtype=torch.int64)}
+        test = {pid: torch.arange(len(dataset.test_y), dtype=torch.int64)} if cfg.partition.per_client_test else None
+    else:
+        if count != cfg.partition.num_clients:
+            raise ConfigError(
+                f"node config: num-partitions={count} but the run has partition.num_clients={cfg.partition.num_clients}"
+            )
+        dataset = load_dataset_for(cfg)
+        fed = build_federation(cfg, dataset)
+        train = {pid: fed.train_indices[pid]}
+        test = {pid: fed.test_indices[pid]} if fed.test_indices is not None else None
+    runtime = ClientRuntime(cfg, dataset, train, test)
+    _CLIENT_CACHE.clear()
+    _CLIENT_CACHE[key] = runtime
+    return runtime
+
+
+client_app = ClientApp()
+
+
+@client_app.query("fedistill_hello")
+def client_hello(msg: FlowerMessage, context: Context) -> FlowerMessage:
+    """Tell the server which client this node is; keep the run's configuration for the train messages."""
+    try:
+        pid, count, data_dir = _node_identity(dict(context.node_config))
+        info: dict[str, Any] = {"partition-id": pid, "num-partitions": count, "data-dir": data_dir}
+    except FedistillError as exc:
+        info = {"error": str(exc)}
+    context.state.config_records[_CONFIG] = ConfigRecord({"json": str(msg.content.config_records[_CONFIG]["json"])})
+    return FlowerMessage(RecordDict({_INFO: ConfigRecord(info)}), reply_to=msg)
+
+
+@client_app.train("fedistill")
+def client_train(msg: FlowerMessage, context: Context) -> FlowerMessage:
+    """One ``local_update`` of this node's client with its persistent state from ``context.state``."""
+    if _CONFIG not in context.state.config_records:
+        raise RuntimeError("fedistill: a train message arrived before the discovery query (no configuration)")
+    info, cid = records_to_round(msg.content)
+    node_config = dict(context.node_config)
+    pid, _, _ = _node_identity(node_config)
+    if cid != pid:
+        raise RuntimeError(f"fedistill: message for client {cid} reached the SuperNode of client {pid}")
+    runtime = _client_runtime(str(context.state.config_records[_CONFIG]["json"]), node_config)
+    state = load_client_state(context.state, cid)
+    reply = runtime.update(cid, info, records_to_message(msg.content), state)
+    save_client_state(context.state, cid, state)
+    return FlowerMessage(message_to_records(reply), reply_to=msg)
