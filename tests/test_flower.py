@@ -305,3 +305,28 @@ def test_real_federation_survives_a_killed_supernode(federation, tmp_path, keep_
     assert summary["status"] == "finished", summary
     rows = read_rows(run_dir)
     assert [r["clients"] for r in rows] == [3, 2]
+
+
+def test_client_with_its_own_data_dir_trains_on_its_whole_local_split(tmp_path, keep_threads):
+    """A real deployment: the site's own files (node config data-dir), not a partition of a shared dataset."""
+    from test_datasets import make_mnist_dir
+
+    from fedistill.models.flat import get_flat as flat
+
+    site = tmp_path / "site-data"
+    make_mnist_dir(site / "mnist", n_train=12, n_test=4, seed=3)
+    cfg = build_config(
+        {
+            "dataset": {"name": "mnist", "verify": False, "augment": []},
+            "partition": {"scheme": "iid", "num_clients": 3},
+            "clients_per_round": 3,
+            "local": {"epochs": 1, "batch_size": 4, "lr": 0.05},
+        }
+    )
+    node_config = {"partition-id": 1, "num-partitions": 3, "data-dir": str(site)}
+    runtime = flower_app._client_runtime(json.dumps(cfg.to_dict()), node_config)
+    assert torch.equal(runtime.train_indices[1], torch.arange(12))
+    start = flat(runtime.worker)
+    reply = runtime.update(1, RoundInfo(round=1, lr=0.05), Message(weights=start), {})
+    assert reply["num_samples"] == 12
+    assert not torch.equal(reply["weights"], start)
