@@ -38,14 +38,10 @@ from fedistill.flower.settings import FlowerSettings  # noqa: E402
 
 
 def flower_config(**overrides):
-    base = {
-        "rounds": 3,
-        "clients_per_round": 3,
-        "partition": {"scheme": "lda", "num_clients": 3, "alpha": 0.5},
-        "local": {"epochs": 1, "batch_size": 32, "lr": 0.05},
-        "run": {"progress": False, "checkpoint_every": 1, "threads": 1},
-    }
-    return build_config(base, overrides)
+    """conftest's small config with 3 clients (one SuperNode each) and one thread per process."""
+    from conftest import small_config
+
+    return small_config(**{"partition.num_clients": 3, "run.threads": 1, **overrides})
 
 
 @pytest.fixture
