@@ -17,7 +17,7 @@ from ..models.flat import get_flat, set_flat
 from ..registry import ALGORITHMS
 from .aggregate import ServerMomentum, ServerOptimizer, aggregation_weights, weighted_mean
 from .base import Algorithm, AlgorithmParams, ClientContext, Message, RoundInfo, ServerContext
-from .local import local_sgd
+from .local import ExtraLoss, local_sgd
 
 
 class FedAvgParams(AlgorithmParams):
@@ -52,6 +52,14 @@ class FedAvg(Algorithm):
         return {}
 
     # -- client ---------------------------------------------------------------------------------
+    def extra_loss(self, client: ClientContext) -> ExtraLoss | None:
+        """A loss term added to the client's CE this round (None for FedAvg).
+
+        Called after the broadcast weights are loaded into ``client.model``, so a term can anchor on them.
+        Methods that are FedAvg plus one local term (FedProx, ...) override only this.
+        """
+        return None
+
     def local_update(self, client: ClientContext, info: RoundInfo, msg: Message) -> Message:
         set_flat(client.model, msg["weights"])
         result = local_sgd(
@@ -61,6 +69,7 @@ class FedAvg(Algorithm):
             batch_size=self.local.batch_size,
             momentum=self.local.momentum,
             weight_decay=self.local.weight_decay,
+            extra_loss=self.extra_loss(client),
             grad_clip=self.params.grad_clip,
         )
         return Message(weights=get_flat(client.model), num_samples=client.num_samples, train_loss=result.mean_loss)
