@@ -72,3 +72,29 @@ class ServerMomentum(ServerOptimizer):
             buffer.mul_(self.momentum).add_(delta)
         state["server_momentum"] = buffer
         return (old - self.server_lr * buffer).float()
+
+
+class ServerAdam(ServerOptimizer):
+    """FedAdam (Reddi et al. 2021, Alg. 2; spec/fmtl-baselines.md §2), no bias correction.
+
+    ``Δ = w_agg − w_g``, ``m = β1 m + (1−β1) Δ``, ``v = β2 v + (1−β2) Δ²``, ``w_g ← w_g + η m / (√v + τ)``
+    on trainable entries (``trainable`` mask); the other entries (BatchNorm statistics) take the aggregate.
+    Moments start at 0 (card ambiguity a) and live in the server state, in float64.
+    """
+
+    def __init__(self, lr: float, beta1: float, beta2: float, tau: float, trainable: torch.Tensor) -> None:
+        self.lr, self.beta1, self.beta2, self.tau = lr, beta1, beta2, tau
+        self.trainable = trainable
+
+    def step(self, state: dict[str, Any], global_vec: torch.Tensor, aggregate: torch.Tensor) -> torch.Tensor:
+        old = global_vec.double()
+        delta = aggregate.double() - old
+        m = state.get("adam_m")
+        v = state.get("adam_v")
+        if m is None:
+            m, v = torch.zeros_like(old), torch.zeros_like(old)
+        m.mul_(self.beta1).add_(delta, alpha=1 - self.beta1)
+        v.mul_(self.beta2).addcmul_(delta, delta, value=1 - self.beta2)
+        state["adam_m"], state["adam_v"] = m, v
+        new = old + self.lr * m / (v.sqrt() + self.tau)
+        return torch.where(self.trainable, new, aggregate.double()).float()

@@ -8,7 +8,7 @@ Other parameter-averaging methods reuse this class with other ingredients.
 
 from __future__ import annotations
 
-from typing import Literal, Mapping
+from typing import Any, Literal, Mapping
 
 import torch
 from pydantic import Field
@@ -17,7 +17,7 @@ from ..models.flat import get_flat, set_flat
 from ..registry import ALGORITHMS
 from .aggregate import ServerMomentum, ServerOptimizer, aggregation_weights, weighted_mean
 from .base import Algorithm, AlgorithmParams, ClientContext, Message, RoundInfo, ServerContext
-from .local import ExtraLoss, local_sgd
+from .local import ExtraLoss, LocalResult, local_sgd
 
 
 class FedAvgParams(AlgorithmParams):
@@ -32,8 +32,14 @@ class FedAvg(Algorithm):
     name = "fedavg"
     Params = FedAvgParams
 
-    def server_optimizer(self) -> ServerOptimizer:
+    def server_optimizer(self, server: ServerContext) -> ServerOptimizer:
+        """Turns (old global, combined client weights) into the new global model (FedAvg: the latter)."""
         return ServerOptimizer()
+
+    def combine(self, global_vec: torch.Tensor, replies: list[Message]) -> torch.Tensor:
+        """The clients' weights combined into one vector (FedAvg: the p_k-weighted mean, card §3)."""
+        weights = aggregation_weights([int(r["num_samples"]) for r in replies], self.params.weighting)
+        return weighted_mean([r["weights"] for r in replies], weights)
 
     # -- server ---------------------------------------------------------------------------------
     def broadcast(self, server: ServerContext, info: RoundInfo, cid: int) -> Message:
@@ -43,10 +49,9 @@ class FedAvg(Algorithm):
         return Message(weights=self._broadcast_vec)
 
     def aggregate(self, server: ServerContext, info: RoundInfo, replies: Mapping[int, Message]) -> dict[str, float]:
-        cids = sorted(replies)
-        weights = aggregation_weights([int(replies[c]["num_samples"]) for c in cids], self.params.weighting)
-        aggregate = weighted_mean([replies[c]["weights"] for c in cids], weights)
-        new_global = self.server_optimizer().step(server.state, get_flat(server.model), aggregate)
+        global_vec = get_flat(server.model)
+        combined = self.combine(global_vec, [replies[c] for c in sorted(replies)])
+        new_global = self.server_optimizer(server).step(server.state, global_vec, combined)
         set_flat(server.model, new_global)
         self._broadcast_round = None
         return {}
@@ -72,7 +77,16 @@ class FedAvg(Algorithm):
             extra_loss=self.extra_loss(client),
             grad_clip=self.params.grad_clip,
         )
-        return Message(weights=get_flat(client.model), num_samples=client.num_samples, train_loss=result.mean_loss)
+        return Message(
+            weights=get_flat(client.model),
+            num_samples=client.num_samples,
+            train_loss=result.mean_loss,
+            **self.reply_extras(client, result),
+        )
+
+    def reply_extras(self, client: ClientContext, result: LocalResult) -> dict[str, Any]:
+        """Extra fields of the client's reply (FedNova: its number of local steps)."""
+        return {}
 
 
 class FedAvgMParams(FedAvgParams):
@@ -87,5 +101,5 @@ class FedAvgM(FedAvg):
     name = "fedavgm"
     Params = FedAvgMParams
 
-    def server_optimizer(self) -> ServerOptimizer:
+    def server_optimizer(self, server: ServerContext) -> ServerOptimizer:
         return ServerMomentum(self.params.server_momentum, self.params.server_lr)

@@ -1,0 +1,44 @@
+"""FedAdam (Reddi et al., ICLR 2021). Card: spec/fmtl-baselines.md §2.
+
+FedAvg's clients; the server applies an Adam-type step (no bias correction) to the averaged model change.
+"""
+
+from __future__ import annotations
+
+import torch
+from pydantic import Field
+
+from ..models.flat import float_state
+from ..registry import ALGORITHMS
+from .aggregate import ServerAdam, ServerOptimizer
+from .base import ServerContext
+from .fedavg import FedAvg, FedAvgParams
+
+
+class FedAdamParams(FedAvgParams):
+    server_lr: float = Field(1e-2, gt=0, description="η (FedICT gives none; MTFL's FedAdam runs use 1e-2)")
+    beta1: float = Field(0.9, ge=0, lt=1)
+    beta2: float = Field(0.99, ge=0, lt=1)
+    tau: float = Field(1e-3, ge=0, description="adaptivity τ added to √v")
+
+
+def trainable_mask(model: torch.nn.Module) -> torch.Tensor:
+    """True for the flat-vector entries that are trainable parameters (not BatchNorm statistics)."""
+    params = {id(p) for p in model.parameters() if p.requires_grad}
+    return torch.cat(
+        [torch.full((t.numel(),), id(t) in params, dtype=torch.bool) for t in float_state(model)]
+    )
+
+
+@ALGORITHMS.register("fedadam")
+class FedAdam(FedAvg):
+    """FedAdam: FedAvg with Adam on the server's pseudo-gradient."""
+
+    name = "fedadam"
+    Params = FedAdamParams
+
+    def server_optimizer(self, server: ServerContext) -> ServerOptimizer:
+        if getattr(self, "_mask", None) is None:
+            self._mask = trainable_mask(server.model)
+        p = self.params
+        return ServerAdam(p.server_lr, p.beta1, p.beta2, p.tau, self._mask)
