@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from fedistill.algorithms.base import Message
-from fedistill.algorithms.fednova import FedNova, nova_normaliser
+from fedistill.algorithms.fednova import FedNova, nova_normaliser  # = local.effective_local_steps
 from fedistill.config import LocalConfig
 from fedistill.engine.simulation import Simulation
 from fedistill.models.flat import get_flat

@@ -108,6 +108,7 @@ class ServerContext:
     generator: torch.Generator
     num_classes: int
     device: torch.device = torch.device("cpu")
+    num_clients: int = 0  # K, the whole population (SCAFFOLD's 1/N)
 
 
 @dataclass(frozen=True)

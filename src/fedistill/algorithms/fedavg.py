@@ -8,7 +8,7 @@ Other parameter-averaging methods reuse this class with other ingredients.
 
 from __future__ import annotations
 
-from typing import Any, Literal, Mapping
+from typing import Any, Callable, Literal, Mapping
 
 import torch
 from pydantic import Field
@@ -75,17 +75,22 @@ class FedAvg(Algorithm):
             momentum=self.local.momentum,
             weight_decay=self.local.weight_decay,
             extra_loss=self.extra_loss(client),
+            before_step=self.grad_correction(client, msg),
             grad_clip=self.params.grad_clip,
         )
         return Message(
             weights=get_flat(client.model),
             num_samples=client.num_samples,
             train_loss=result.mean_loss,
-            **self.reply_extras(client, result),
+            **self.reply_extras(client, info, msg, result),
         )
 
-    def reply_extras(self, client: ClientContext, result: LocalResult) -> dict[str, Any]:
-        """Extra fields of the client's reply (FedNova: its number of local steps)."""
+    def grad_correction(self, client: ClientContext, msg: Message) -> Callable[[torch.nn.Module], None] | None:
+        """A function applied to the gradients before every local step (SCAFFOLD); None for FedAvg."""
+        return None
+
+    def reply_extras(self, client: ClientContext, info: RoundInfo, msg: Message, result: LocalResult) -> dict[str, Any]:
+        """Extra fields of the client's reply (FedNova: its local steps; SCAFFOLD: its control-variate change)."""
         return {}
 
 

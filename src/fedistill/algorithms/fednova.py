@@ -15,22 +15,13 @@ import torch
 
 from ..registry import ALGORITHMS
 from .aggregate import aggregation_weights
-from .base import ClientContext, Message
+from .base import ClientContext, Message, RoundInfo
 from .fedavg import FedAvg, FedAvgParams
-from .local import LocalResult
+from .local import LocalResult, effective_local_steps
 
 
-def nova_normaliser(steps: int, momentum: float) -> float:
-    """``a_k = Σ_{s=1}^{τ} (1 − ρ^s)/(1 − ρ)`` in closed form (card §3); ``τ`` when ρ = 0.
-
-    PyTorch's momentum buffer starts at the first gradient, so one step counts as exactly 1.
-    """
-    if steps < 0:
-        raise ValueError("steps must be >= 0")
-    if momentum == 0.0:
-        return float(steps)
-    rho = float(momentum)
-    return (steps - rho * (1.0 - rho**steps) / (1.0 - rho)) / (1.0 - rho)
+# FedNova's a_k is the momentum-aware step count shared with SCAFFOLD.
+nova_normaliser = effective_local_steps
 
 
 @ALGORITHMS.register("fednova")
@@ -40,7 +31,7 @@ class FedNova(FedAvg):
     name = "fednova"
     Params = FedAvgParams
 
-    def reply_extras(self, client: ClientContext, result: LocalResult) -> dict[str, Any]:
+    def reply_extras(self, client: ClientContext, info: RoundInfo, msg: Message, result: LocalResult) -> dict[str, Any]:
         # Counted steps, not planned ones (card ambiguity 2); the normaliser is computed on the server.
         return {"local_steps": result.steps}
 

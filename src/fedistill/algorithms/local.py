@@ -28,6 +28,20 @@ class LocalResult:
     mean_loss: float  # sample-weighted mean of the batch losses (CE + extra terms)
 
 
+def effective_local_steps(steps: int, momentum: float) -> float:
+    """``Σ_{s=1}^{τ} (1 − ρ^s)/(1 − ρ)``: local steps counted with heavy-ball momentum (τ when ρ = 0).
+
+    FedNova's normaliser ``a_k`` (fednova.md §3) and SCAFFOLD's ``K_eff`` (scaffold.md §3). PyTorch's
+    momentum buffer starts at the first gradient, so one step counts as exactly 1.
+    """
+    if steps < 0:
+        raise ValueError("steps must be >= 0")
+    if momentum == 0.0:
+        return float(steps)
+    rho = float(momentum)
+    return (steps - rho * (1.0 - rho**steps) / (1.0 - rho)) / (1.0 - rho)
+
+
 def autocast_context(precision: str, device: torch.device):
     """bf16 autocast (fp32 master weights and optimizer) when ``precision == 'bf16'``; else a no-op."""
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
@@ -42,6 +56,7 @@ def local_sgd(
     momentum: float = 0.0,
     weight_decay: float = 0.0,
     extra_loss: ExtraLoss | None = None,
+    before_step: Callable[[nn.Module], None] | None = None,
     grad_clip: float | None = None,
 ) -> LocalResult:
     """Train ``client.model`` in place for ``epochs`` passes over the client's data."""
@@ -64,6 +79,8 @@ def local_sgd(
                     loss = loss + extra_loss(model, x, y, logits)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
+            if before_step is not None:  # gradient corrections (SCAFFOLD) act on .grad before the step
+                before_step(model)
             if grad_clip is not None:
                 nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
             optimizer.step()

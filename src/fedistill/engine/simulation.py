@@ -137,6 +137,7 @@ class ServerRuntime:
             generator=make_generator(cfg.seed, SERVER, 0),
             num_classes=dataset.num_classes,
             device=self.device,
+            num_clients=num_clients,
         )
         self.state = RunState()
         self.algorithm.init_server(self.server)

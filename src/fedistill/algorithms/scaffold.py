@@ -1,0 +1,99 @@
+"""SCAFFOLD (Karimireddy et al., ICML 2020), option II with momentum-aware K_eff. Card: spec/scaffold.md.
+
+Every local gradient is corrected by ``c − c_k`` (server and client control variates) before the optimizer
+step. After training the client refreshes ``c_k⁺ = c_k − c + (w_g − y)/(K_eff η_t)`` and uploads
+``Δc_k = c_k⁺ − c_k`` with its weights; the server averages the weights as FedAvg and moves
+``c ← c + (1/N) Σ_k Δc_k`` with N the whole population (card §3). Control variates cover trainable
+parameters only, flattened in ``model.parameters()`` order, and are stored in float32.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping
+
+import torch
+
+from ..registry import ALGORITHMS
+from .base import ClientContext, Message, RoundInfo, ServerContext
+from .fedavg import FedAvg, FedAvgParams
+from .local import LocalResult, effective_local_steps
+
+
+def trainable_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def flat_parameters(model: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1).float().cpu() for p in trainable_parameters(model)])
+
+
+@ALGORITHMS.register("scaffold")
+class Scaffold(FedAvg):
+    """SCAFFOLD: FedAvg with control variates correcting client drift."""
+
+    name = "scaffold"
+    Params = FedAvgParams
+
+    # -- server ---------------------------------------------------------------------------------
+    def init_server(self, server: ServerContext) -> None:
+        server.state["scaffold_c"] = torch.zeros_like(flat_parameters(server.model))
+
+    def broadcast(self, server: ServerContext, info: RoundInfo, cid: int) -> Message:
+        weights = super().broadcast(server, info, cid)
+        return Message(weights=weights["weights"], control=server.state["scaffold_c"])
+
+    def aggregate(self, server: ServerContext, info: RoundInfo, replies: Mapping[int, Message]) -> dict[str, float]:
+        metrics = super().aggregate(server, info, replies)
+        total = torch.zeros_like(server.state["scaffold_c"], dtype=torch.float64)
+        for cid in sorted(replies):
+            total += replies[cid]["control_delta"].double()
+        # c ← c + (1/N) Σ Δc_k over the sampled clients, N = every client (card §3 and ambiguity 4).
+        server.state["scaffold_c"] = (server.state["scaffold_c"].double() + total / server.num_clients).float()
+        return metrics
+
+    # -- client ---------------------------------------------------------------------------------
+    def _client_control(self, client: ClientContext, size: int) -> torch.Tensor:
+        if "scaffold_c" not in client.state:
+            client.state["scaffold_c"] = torch.zeros(size)  # c_k starts at 0 (card §2)
+        return client.state["scaffold_c"]
+
+    def grad_correction(self, client: ClientContext, msg: Message) -> Callable[[torch.nn.Module], None]:
+        params = trainable_parameters(client.model)
+        correction = msg["control"] - self._client_control(client, int(msg["control"].numel()))
+        pieces = [c.view_as(p).to(p.device) for c, p in zip(correction.split([p.numel() for p in params]), params)]
+
+        def correct(model: torch.nn.Module) -> None:
+            # ĝ = g − c_k + c, then the optimizer adds weight decay and momentum as usual (card §3).
+            for p, c in zip(params, pieces):
+                if p.grad is not None:
+                    p.grad.add_(c)
+
+        return correct
+
+    def reply_extras(self, client: ClientContext, info: RoundInfo, msg: Message, result: LocalResult) -> dict[str, Any]:
+        c = msg["control"]
+        c_k = self._client_control(client, int(c.numel()))
+        if result.steps == 0 or info.lr <= 0:
+            return {"control_delta": torch.zeros_like(c_k)}  # no step taken: c_k stays (card §3 numerics)
+        k_eff = effective_local_steps(result.steps, self.local.momentum)
+        # The global trainable weights this round are the broadcast vector restricted to parameters.
+        global_params = self._broadcast_params(client, msg)
+        drift = global_params.double() - flat_parameters(client.model).double()
+        c_new = (c_k.double() - c.double() + drift / (k_eff * info.lr)).float()
+        delta = c_new - c_k
+        client.state["scaffold_c"] = c_new
+        return {"control_delta": delta}
+
+    @staticmethod
+    def _broadcast_params(client: ClientContext, msg: Message) -> torch.Tensor:
+        """The broadcast weights' trainable entries (the flat vector also holds BatchNorm statistics)."""
+        from ..models.flat import float_state
+
+        trainable = {id(p) for p in trainable_parameters(client.model)}
+        pieces, offset = [], 0
+        for t in float_state(client.model):
+            n = t.numel()
+            if id(t) in trainable:
+                pieces.append(msg["weights"][offset : offset + n])
+            offset += n
+        return torch.cat(pieces)
