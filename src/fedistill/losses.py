@@ -24,3 +24,45 @@ def proximal_term(params: Iterable[torch.Tensor], anchors: Iterable[torch.Tensor
     if total is None:
         raise ValueError("proximal_term: no parameters")
     return 0.5 * mu * total
+
+
+def restricted_softmax_scaling(class_counts: torch.Tensor, alpha: float, mode: str = "binary") -> torch.Tensor:
+    """FedRS's per-client logit scaling ``s_k`` (spec/fedrs.md §3).
+
+    ``binary``: 1 for classes the client holds, ``α`` for the others; ``proportional``:
+    ``α + (1 − α) n_c / max n``. Values lie in ``[α, 1]``; the most frequent class gets 1.
+    """
+    counts = class_counts.double()
+    if mode == "binary":
+        scale = torch.where(counts > 0, torch.ones_like(counts), torch.full_like(counts, alpha))
+    elif mode == "proportional":
+        scale = alpha + (1.0 - alpha) * counts / counts.max().clamp_min(1.0)
+    else:
+        raise ValueError(f"unknown FedRS scaling mode {mode!r}")
+    return scale.float()
+
+
+def not_true_distillation(
+    student_logits: torch.Tensor, teacher_logits: torch.Tensor | None, labels: torch.Tensor, tau: float
+) -> torch.Tensor:
+    """FedNTD's not-true distillation ``τ² · mean_b KL(q̃_t || q̃_s)`` (spec/fedntd.md §3).
+
+    The true class is removed before the temperature softmax of both sides, so the true logit gets no
+    gradient from this term. ``teacher_logits=None`` is the teacher-free variant (uniform ``q̃_t``).
+    Computed in float32.
+    """
+    s = student_logits.float()
+    b, c = s.shape
+    keep = torch.ones_like(s, dtype=torch.bool)
+    keep[torch.arange(b, device=s.device), labels] = False
+    s_nt = s[keep].view(b, c - 1)
+    log_q_s = torch.log_softmax(s_nt / tau, dim=1)
+    if teacher_logits is None:
+        q_t = torch.full_like(log_q_s, 1.0 / (c - 1))
+        log_q_t = q_t.log()
+    else:
+        t_nt = teacher_logits.float()[keep].view(b, c - 1)
+        log_q_t = torch.log_softmax(t_nt / tau, dim=1)
+        q_t = log_q_t.exp()
+    kl = (q_t * (log_q_t - log_q_s)).sum(dim=1)
+    return (tau**2) * kl.mean()

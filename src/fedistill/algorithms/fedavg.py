@@ -75,6 +75,7 @@ class FedAvg(Algorithm):
             momentum=self.local.momentum,
             weight_decay=self.local.weight_decay,
             extra_loss=self.extra_loss(client),
+            logit_transform=self.logit_transform(client),
             before_step=self.grad_correction(client, msg),
             grad_clip=self.params.grad_clip,
         )
@@ -84,6 +85,10 @@ class FedAvg(Algorithm):
             train_loss=result.mean_loss,
             **self.reply_extras(client, info, msg, result),
         )
+
+    def logit_transform(self, client: ClientContext) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """A transform of the logits the client's CE sees (FedRS); None for FedAvg."""
+        return None
 
     def grad_correction(self, client: ClientContext, msg: Message) -> Callable[[torch.nn.Module], None] | None:
         """A function applied to the gradients before every local step (SCAFFOLD); None for FedAvg."""

@@ -56,6 +56,7 @@ def local_sgd(
     momentum: float = 0.0,
     weight_decay: float = 0.0,
     extra_loss: ExtraLoss | None = None,
+    logit_transform: Callable[[torch.Tensor], torch.Tensor] | None = None,
     before_step: Callable[[nn.Module], None] | None = None,
     grad_clip: float | None = None,
 ) -> LocalResult:
@@ -74,7 +75,9 @@ def local_sgd(
         for x, y in client.data.epoch_batches(client.train_indices, batch_size, client.generator):
             with autocast_context(client.precision, client.device):
                 logits = model(x)
-                loss = F.cross_entropy(logits.float(), y)
+                # A logit transform (FedRS's restricted softmax) changes only what the CE sees.
+                ce_logits = logits.float() if logit_transform is None else logit_transform(logits.float())
+                loss = F.cross_entropy(ce_logits, y)
                 if extra_loss is not None:
                     loss = loss + extra_loss(model, x, y, logits)
             optimizer.zero_grad(set_to_none=True)

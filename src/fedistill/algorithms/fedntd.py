@@ -1,0 +1,59 @@
+"""FedNTD (Lee et al., NeurIPS 2022): not-true distillation. Card: spec/fedntd.md.
+
+Clients add ``β · τ² · KL(q̃_t || q̃_s)`` on the not-true classes, with the teacher the frozen global
+weights of the round (card §3); server and aggregation are FedAvg's. ``teacher_free=True`` is FedNTD-Tf
+(uniform teacher, FedLMD Table 2).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from pydantic import Field
+
+from ..losses import not_true_distillation
+from ..models.flat import set_flat
+from ..registry import ALGORITHMS
+from .base import ClientContext, Message, RoundInfo
+from .fedavg import FedAvg, FedAvgParams
+from .local import ExtraLoss
+
+
+class FedNTDParams(FedAvgParams):
+    beta: float = Field(1.0, ge=0.0, description="β, weight of the NTD term (FedLMD Table 6: 1-3)")
+    tau: float = Field(1.0, gt=0.0, description="temperature τ")
+    teacher_free: bool = Field(False, description="FedNTD-Tf: uniform not-true teacher")
+
+
+@ALGORITHMS.register("fedntd")
+class FedNTD(FedAvg):
+    """FedNTD: FedAvg plus not-true distillation from the round's global model."""
+
+    name = "fedntd"
+    Params = FedNTDParams
+
+    def local_update(self, client: ClientContext, info: RoundInfo, msg: Message) -> Message:
+        self._round_weights = msg["weights"]
+        return super().local_update(client, info, msg)
+
+    def _teacher(self, client: ClientContext) -> torch.nn.Module:
+        # One teacher module per process, reloaded each round from the broadcast (never a copy per client).
+        if getattr(self, "_teacher_model", None) is None:
+            self._teacher_model = copy.deepcopy(client.model)
+            self._teacher_model.requires_grad_(False)
+        set_flat(self._teacher_model, self._round_weights)
+        return self._teacher_model.eval()
+
+    def extra_loss(self, client: ClientContext) -> ExtraLoss:
+        beta, tau = self.params.beta, self.params.tau
+        teacher = None if self.params.teacher_free else self._teacher(client)
+
+        def ntd(model, x, y, logits):
+            if teacher is None:
+                return beta * not_true_distillation(logits, None, y, tau)
+            with torch.no_grad():
+                teacher_logits = teacher(x)
+            return beta * not_true_distillation(logits, teacher_logits, y, tau)
+
+        return ntd
