@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from fedistill.algorithms.aggregate import ServerAdam
-from fedistill.algorithms.fedadam import trainable_mask
+from fedistill.models.flat import trainable_mask
 from fedistill.engine.simulation import Simulation
 from fedistill.models import build_model
 

@@ -5,10 +5,9 @@ FedAvg's clients; the server applies an Adam-type step (no bias correction) to t
 
 from __future__ import annotations
 
-import torch
 from pydantic import Field
 
-from ..models.flat import float_state
+from ..models.flat import trainable_mask
 from ..registry import ALGORITHMS
 from .aggregate import ServerAdam, ServerOptimizer
 from .base import ServerContext
@@ -20,14 +19,6 @@ class FedAdamParams(FedAvgParams):
     beta1: float = Field(0.9, ge=0, lt=1)
     beta2: float = Field(0.99, ge=0, lt=1)
     tau: float = Field(1e-3, ge=0, description="adaptivity τ added to √v")
-
-
-def trainable_mask(model: torch.nn.Module) -> torch.Tensor:
-    """True for the flat-vector entries that are trainable parameters (not BatchNorm statistics)."""
-    params = {id(p) for p in model.parameters() if p.requires_grad}
-    return torch.cat(
-        [torch.full((t.numel(),), id(t) in params, dtype=torch.bool) for t in float_state(model)]
-    )
 
 
 @ALGORITHMS.register("fedadam")

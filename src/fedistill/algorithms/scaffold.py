@@ -13,6 +13,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
+from ..models.flat import trainable_mask
 from ..registry import ALGORITHMS
 from .base import ClientContext, Message, RoundInfo, ServerContext
 from .fedavg import FedAvg, FedAvgParams
@@ -77,23 +78,9 @@ class Scaffold(FedAvg):
             return {"control_delta": torch.zeros_like(c_k)}  # no step taken: c_k stays (card §3 numerics)
         k_eff = effective_local_steps(result.steps, self.local.momentum)
         # The global trainable weights this round are the broadcast vector restricted to parameters.
-        global_params = self._broadcast_params(client, msg)
+        global_params = msg["weights"][trainable_mask(client.model)]
         drift = global_params.double() - flat_parameters(client.model).double()
         c_new = (c_k.double() - c.double() + drift / (k_eff * info.lr)).float()
         delta = c_new - c_k
         client.state["scaffold_c"] = c_new
         return {"control_delta": delta}
-
-    @staticmethod
-    def _broadcast_params(client: ClientContext, msg: Message) -> torch.Tensor:
-        """The broadcast weights' trainable entries (the flat vector also holds BatchNorm statistics)."""
-        from ..models.flat import float_state
-
-        trainable = {id(p) for p in trainable_parameters(client.model)}
-        pieces, offset = [], 0
-        for t in float_state(client.model):
-            n = t.numel()
-            if id(t) in trainable:
-                pieces.append(msg["weights"][offset : offset + n])
-            offset += n
-        return torch.cat(pieces)

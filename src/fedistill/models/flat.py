@@ -39,3 +39,9 @@ def set_flat(model: nn.Module, vector: torch.Tensor) -> None:
         n = t.numel()
         t.copy_(vector[offset : offset + n].view(t.shape))
         offset += n
+
+
+def trainable_mask(model: nn.Module) -> torch.Tensor:
+    """True for the entries of the flat vector that are trainable parameters (not BatchNorm statistics)."""
+    params = {id(p) for p in model.parameters() if p.requires_grad}
+    return torch.cat([torch.full((t.numel(),), id(t) in params, dtype=torch.bool) for t in float_state(model)])

@@ -1,0 +1,72 @@
+"""FedDyn (Acar et al., ICLR 2021): dynamic regularisation. Card: spec/feddyn.md.
+
+Client loss ``CE − ⟨g_k, w⟩ + (α/2)||w − w_anchor||²`` with a persistent linear term ``g_k``, refreshed after
+training as ``g_k ← g_k − α (w_k − w_anchor)``. The server keeps ``h ← h − (α/K) Σ_k (w_k − w_anchor)`` and sets
+``w_g = mean_k w_k − h/α`` (card §3). Trainable parameters only; BatchNorm statistics are averaged plainly.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Mapping
+
+import torch
+from pydantic import Field
+
+from ..losses import proximal_term
+from ..models.flat import get_flat, set_flat, trainable_mask
+from ..registry import ALGORITHMS
+from .base import ClientContext, Message, RoundInfo, ServerContext
+from .fedavg import FedAvg, FedAvgParams
+from .local import ExtraLoss, LocalResult
+from .scaffold import flat_parameters, trainable_parameters
+
+
+class FedDynParams(FedAvgParams):
+    alpha: float = Field(0.1, gt=0.0, description="α (Lee-Gihun/FedNTD default); 0 would divide by zero")
+    weighting: Literal["samples", "uniform"] = Field("uniform", description="mean over S_t (card ambiguity 1)")
+
+
+@ALGORITHMS.register("feddyn")
+class FedDyn(FedAvg):
+    """FedDyn: FedAvg with a dynamic linear + proximal regulariser and a server correction h."""
+
+    name = "feddyn"
+    Params = FedDynParams
+
+    # -- client ---------------------------------------------------------------------------------
+    def extra_loss(self, client: ClientContext) -> ExtraLoss:
+        params = trainable_parameters(client.model)
+        anchors = [p.detach().clone() for p in params]
+        self._anchor = flat_parameters(client.model)
+        g = client.state.setdefault("feddyn_g", torch.zeros_like(self._anchor))
+        g_pieces = [piece.view_as(p).to(p.device) for piece, p in zip(g.split([p.numel() for p in params]), params)]
+        alpha = self.params.alpha
+
+        def dyn(model, x, y, logits):
+            linear = sum((gp * p.float()).sum() for gp, p in zip(g_pieces, params))
+            return proximal_term(params, anchors, alpha) - linear
+
+        return dyn
+
+    def reply_extras(self, client: ClientContext, info: RoundInfo, msg: Message, result: LocalResult) -> dict[str, Any]:
+        drift = flat_parameters(client.model).double() - self._anchor.double()
+        client.state["feddyn_g"] = (client.state["feddyn_g"].double() - self.params.alpha * drift).float()
+        return {}
+
+    # -- server ---------------------------------------------------------------------------------
+    def aggregate(self, server: ServerContext, info: RoundInfo, replies: Mapping[int, Message]) -> dict[str, float]:
+        global_vec = get_flat(server.model)
+        ordered = [replies[c] for c in sorted(replies)]
+        mean = self.combine(global_vec, ordered)
+        mask = trainable_mask(server.model)
+        drift_sum = torch.zeros(int(mask.sum()), dtype=torch.float64)
+        for r in ordered:
+            drift_sum += (r["weights"][mask].double() - global_vec[mask].double())
+        h = server.state.get("feddyn_h", torch.zeros(int(mask.sum()))).double()
+        h = h - (self.params.alpha / server.num_clients) * drift_sum
+        server.state["feddyn_h"] = h.float()
+        new_global = mean.double()
+        new_global[mask] -= h / self.params.alpha
+        set_flat(server.model, new_global.float())
+        self._broadcast_round = None
+        return {}
