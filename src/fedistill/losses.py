@@ -66,3 +66,19 @@ def not_true_distillation(
         q_t = log_q_t.exp()
     kl = (q_t * (log_q_t - log_q_s)).sum(dim=1)
     return (tau**2) * kl.mean()
+
+
+def curvature_penalty(params: list[torch.Tensor], p_sum: list[torch.Tensor], q_sum: list[torch.Tensor], lam: float) -> torch.Tensor:
+    """FedCurv's penalty in expanded form ``λ (⟨P, w ⊙ w⟩ − 2 ⟨Q, w⟩)`` (spec/fedcurv.md §3).
+
+    Equal to ``λ Σ_j (w − ŵ_j)ᵀ diag(u_j) (w − ŵ_j)`` up to a constant; gradient ``2λ (P ⊙ w − Q)``. No 1/2
+    factor (reference code).
+    """
+    total = None
+    for w, p, q in zip(params, p_sum, q_sum):
+        w32 = w.float()
+        term = (p * w32 * w32).sum() - 2.0 * (q * w32).sum()
+        total = term if total is None else total + term
+    if total is None:
+        raise ValueError("curvature_penalty: no parameters")
+    return lam * total

@@ -1,0 +1,94 @@
+"""FedCurv invariants from spec/fedcurv.md §7."""
+
+from __future__ import annotations
+
+import torch
+
+from fedistill.algorithms.fedcurv import fisher_diagonal
+from fedistill.algorithms.scaffold import flat_parameters
+from fedistill.engine.simulation import Simulation
+from fedistill.losses import curvature_penalty
+from fedistill.models.flat import get_flat
+
+
+def _globals(cfg, digits, rounds):
+    sim = Simulation(cfg, digits)
+    out = []
+    for rnd in range(1, rounds + 1):
+        sim.run_round(rnd)
+        out.append(get_flat(sim.server.model))
+    return out
+
+
+def test_lambda_zero_is_fedavg_and_round_one_is_fedavg_for_any_lambda(make_config, digits):
+    avg = _globals(make_config(algorithm="fedavg"), digits, 2)
+    zero = _globals(make_config(**{"algorithm.name": "fedcurv", "algorithm.lam": 0.0}), digits, 2)
+    big = _globals(make_config(**{"algorithm.name": "fedcurv", "algorithm.lam": 5.0}), digits, 2)
+    assert torch.equal(avg[0], zero[0]) and torch.equal(avg[1], zero[1])
+    assert torch.equal(avg[0], big[0]) and not torch.equal(avg[1], big[1])
+
+
+def test_fisher_is_nonnegative_and_v_is_u_times_w(make_config, digits):
+    sim = Simulation(make_config(algorithm="fedcurv"), digits)
+    info = sim.round_info(1)
+    reply = sim.client_runtime.update(0, info, sim.server_runtime.broadcast(info, 0), {})
+    u, v = reply["fisher_u"], reply["fisher_v"]
+    assert bool((u >= 0).all()) and float(u.max()) > 0
+    assert torch.equal(v, u * flat_parameters(sim.client_runtime.worker))
+
+
+def test_fisher_pass_budget(make_config, digits):
+    sim = Simulation(make_config(algorithm="fedcurv", **{"local.batch_size": 10}), digits)
+    ctx = sim.client_runtime.context(0, 1, {})
+    n = ctx.num_samples
+    _, all_batches = fisher_diagonal(ctx, 10, budget=10 * n)
+    assert all_batches == -(-n // 10)  # s >= n_k: every batch exactly once
+    _, few = fisher_diagonal(ctx, 10, budget=25)
+    assert few == 3  # stops after the first batch past 25 samples
+
+
+def test_expanded_penalty_differs_from_explicit_by_a_constant_and_has_the_stated_gradient():
+    torch.manual_seed(0)
+    us = [torch.rand(6) for _ in range(3)]
+    ws = [torch.randn(6) for _ in range(3)]
+    p = sum(us)
+    q = sum(u * w for u, w in zip(us, ws))
+    lam = 0.7
+
+    def explicit(w):
+        return lam * sum(((w - wj) * uj * (w - wj)).sum() for uj, wj in zip(us, ws))
+
+    w1, w2 = torch.randn(6), torch.randn(6)
+    d_expanded = curvature_penalty([w1], [p], [q], lam) - curvature_penalty([w2], [p], [q], lam)
+    assert torch.allclose(d_expanded, explicit(w1) - explicit(w2), rtol=1e-5)
+    w = torch.randn(6, requires_grad=True)
+    (grad,) = torch.autograd.grad(curvature_penalty([w], [p], [q], lam), [w])
+    assert torch.allclose(grad, 2 * lam * (p * w.detach() - q), atol=1e-6)
+    w_star = (q / p).requires_grad_(True)
+    (g_star,) = torch.autograd.grad(curvature_penalty([w_star], [p], [q], lam), [w_star])
+    assert float(g_star.abs().max()) < 1e-5
+
+
+def test_p_excludes_the_clients_own_fisher_and_sums_are_untouched(make_config, digits):
+    sim = Simulation(make_config(algorithm="fedcurv"), digits)
+    sim.run_round(1)
+    state = sim.server.state
+    U = state["fedcurv_U"].clone()
+    info = sim.round_info(2)
+    stored = sorted(state["fedcurv_u"])
+    inside, outside = stored[0], next(c for c in range(sim.federation.num_clients) if c not in stored)
+    assert torch.allclose(sim.server_runtime.broadcast(info, inside)["fisher_p"], U - state["fedcurv_u"][inside])
+    assert torch.equal(sim.server_runtime.broadcast(info, outside)["fisher_p"], U)
+    assert torch.equal(state["fedcurv_U"], U)
+
+
+def test_fedcurv_resumes_exactly_and_learns(make_config, digits, tmp_path):
+    full = Simulation(make_config(rounds=4, algorithm="fedcurv"), digits, run_dir=tmp_path / "a")
+    full.run()
+    Simulation(make_config(rounds=2, algorithm="fedcurv"), digits, run_dir=tmp_path / "b").run()
+    resumed = Simulation(make_config(rounds=4, algorithm="fedcurv"), digits, run_dir=tmp_path / "b")
+    resumed.run(resume=True)
+    assert torch.equal(get_flat(full.server.model), get_flat(resumed.server.model))
+    cfg = make_config(rounds=15, clients_per_round=5, **{"algorithm.name": "fedcurv", "partition.num_clients": 10,
+                                                          "partition.alpha": 0.3, "local.epochs": 2})
+    assert Simulation(cfg, digits).run()[-1]["test_accuracy"] > 70.0
