@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Iterable
 
 import torch
+import torch.nn.functional as F
 
 
 def proximal_term(params: Iterable[torch.Tensor], anchors: Iterable[torch.Tensor], mu: float) -> torch.Tensor:
@@ -82,3 +83,15 @@ def curvature_penalty(params: list[torch.Tensor], p_sum: list[torch.Tensor], q_s
     if total is None:
         raise ValueError("curvature_penalty: no parameters")
     return lam * total
+
+
+def model_contrastive(z: torch.Tensor, z_global: torch.Tensor, z_prev: torch.Tensor, tau: float) -> torch.Tensor:
+    """MOON's model-contrastive loss, batch mean of ``−log softmax([sim(z,z_g), sim(z,z_p)]/τ)[0]`` (spec/moon.md §3).
+
+    Cosine similarity with ``ε = 1e-8`` (an all-zero feature gives 0, not NaN); computed in float32.
+    """
+    z, z_global, z_prev = z.float(), z_global.float(), z_prev.float()
+    sims = torch.stack(
+        [F.cosine_similarity(z, z_global, dim=1, eps=1e-8), F.cosine_similarity(z, z_prev, dim=1, eps=1e-8)], dim=1
+    )
+    return F.cross_entropy(sims / tau, torch.zeros(z.shape[0], dtype=torch.long, device=z.device))

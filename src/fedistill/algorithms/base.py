@@ -93,6 +93,8 @@ class ClientContext:
     test_indices: torch.Tensor | None = None
     device: torch.device = torch.device("cpu")
     precision: str = "fp32"
+    # w_g^0: the seeded initial global model, known to every client from the config (MOON's first "previous")
+    initial_weights: torch.Tensor | None = None
 
     @property
     def num_samples(self) -> int:

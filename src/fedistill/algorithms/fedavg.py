@@ -31,6 +31,7 @@ class FedAvg(Algorithm):
 
     name = "fedavg"
     Params = FedAvgParams
+    needs_features = False  # extra_loss receives the penultimate features (MOON)
 
     def server_optimizer(self, server: ServerContext) -> ServerOptimizer:
         """Turns (old global, combined client weights) into the new global model (FedAvg: the latter)."""
@@ -76,6 +77,7 @@ class FedAvg(Algorithm):
             weight_decay=self.local.weight_decay,
             extra_loss=self.extra_loss(client),
             logit_transform=self.logit_transform(client),
+            with_features=self.needs_features,
             before_step=self.grad_correction(client, msg),
             grad_clip=self.params.grad_clip,
         )

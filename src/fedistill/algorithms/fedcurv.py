@@ -98,7 +98,7 @@ class FedCurv(FedAvg):
         p_sum = [t.view_as(p).to(p.device) for t, p in zip(self._pq[0].split(sizes), params)]
         q_sum = [t.view_as(p).to(p.device) for t, p in zip(self._pq[1].split(sizes), params)]
         lam = self.params.lam
-        return lambda model, x, y, logits: curvature_penalty(params, p_sum, q_sum, lam)
+        return lambda model, x, y, logits, features: curvature_penalty(params, p_sum, q_sum, lam)
 
     def reply_extras(self, client: ClientContext, info: RoundInfo, msg: Message, result: LocalResult) -> dict[str, Any]:
         # After training, so the Fisher pass cannot change the training batches (card §7).

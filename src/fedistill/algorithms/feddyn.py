@@ -42,7 +42,7 @@ class FedDyn(FedAvg):
         g_pieces = [piece.view_as(p).to(p.device) for piece, p in zip(g.split([p.numel() for p in params]), params)]
         alpha = self.params.alpha
 
-        def dyn(model, x, y, logits):
+        def dyn(model, x, y, logits, features):
             linear = sum((gp * p.float()).sum() for gp, p in zip(g_pieces, params))
             return proximal_term(params, anchors, alpha) - linear
 

@@ -49,7 +49,7 @@ class FedNTD(FedAvg):
         beta, tau = self.params.beta, self.params.tau
         teacher = None if self.params.teacher_free else self._teacher(client)
 
-        def ntd(model, x, y, logits):
+        def ntd(model, x, y, logits, features):
             if teacher is None:
                 return beta * not_true_distillation(logits, None, y, tau)
             with torch.no_grad():

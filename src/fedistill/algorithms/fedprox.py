@@ -32,4 +32,4 @@ class FedProx(FedAvg):
         # ambiguity 1: trainable parameters only, not BatchNorm buffers).
         anchors = [p.detach().clone() for p in params]
         mu = self.params.mu
-        return lambda model, x, y, logits: proximal_term(params, anchors, mu)
+        return lambda model, x, y, logits, features: proximal_term(params, anchors, mu)

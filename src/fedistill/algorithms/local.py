@@ -17,8 +17,9 @@ from torch import nn
 
 from .base import ClientContext
 
-# extra_loss(model, x, y, logits) -> scalar tensor added to the CE loss.
-ExtraLoss = Callable[[nn.Module, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# extra_loss(model, x, y, logits, features) -> scalar tensor added to the CE loss; ``features`` is the
+# penultimate representation when the caller asked for it (with_features=True), else None.
+ExtraLoss = Callable[[nn.Module, torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,7 @@ def local_sgd(
     weight_decay: float = 0.0,
     extra_loss: ExtraLoss | None = None,
     logit_transform: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    with_features: bool = False,
     before_step: Callable[[nn.Module], None] | None = None,
     grad_clip: float | None = None,
 ) -> LocalResult:
@@ -74,12 +76,16 @@ def local_sgd(
     for _ in range(epochs):
         for x, y in client.data.epoch_batches(client.train_indices, batch_size, client.generator):
             with autocast_context(client.precision, client.device):
-                logits = model(x)
+                if with_features:  # one forward: features for the loss term, logits from them
+                    features = model.extract(x)
+                    logits = model.classify(features)
+                else:
+                    features, logits = None, model(x)
                 # A logit transform (FedRS's restricted softmax) changes only what the CE sees.
                 ce_logits = logits.float() if logit_transform is None else logit_transform(logits.float())
                 loss = F.cross_entropy(ce_logits, y)
                 if extra_loss is not None:
-                    loss = loss + extra_loss(model, x, y, logits)
+                    loss = loss + extra_loss(model, x, y, logits, features)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             if before_step is not None:  # gradient corrections (SCAFFOLD) act on .grad before the step

@@ -248,6 +248,7 @@ class ClientRuntime:
             dataset, AugmentSpec.from_names(cfg.augmentations()), device=self.device, channels_last=cfg.run.channels_last
         )
         self.worker = build_model_for(cfg, dataset, (INIT,))  # reused by every client; weights overwritten
+        self.initial_weights = get_flat(self.worker)  # = the server's w_g^0 (same seeded stream)
 
     def context(self, cid: int, rnd: int, state: dict[str, Any]) -> ClientContext:
         return ClientContext(
@@ -260,6 +261,7 @@ class ClientRuntime:
             state=state,
             device=self.device,
             precision=self.cfg.run.precision,
+            initial_weights=self.initial_weights,
         )
 
     def update(self, cid: int, info: RoundInfo, msg: Message, state: dict[str, Any]) -> Message:
