@@ -29,7 +29,8 @@ from fedistill.data.partition import (
 from fedistill.errors import ConfigError, PartitionError
 from fedistill.registry import PARTITIONS
 
-PROPERTY = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# derandomize: the same examples on every run, so CI cannot fail on a draw a developer never saw.
+PROPERTY = settings(max_examples=30, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 
 SCHEME_PARAMS = {
     "iid": {},
@@ -365,7 +366,9 @@ def test_lda_property(labels, k, alpha, min_size, seed):
     try:
         parts = lda(y, k, seed, alpha=alpha, min_size=min_size, max_retries=200)
     except PartitionError as err:
-        assert "200 attempts" in str(err)
+        # Either impossible up front (k * min_size > N) or the retry budget ran out; both say so.
+        impossible = k * min_size > y.size
+        assert ("samples needed" in str(err)) if impossible else ("200 attempts" in str(err))
         return
     assert len(parts) == k
     assert_disjoint_complete(parts, y.size)
