@@ -326,3 +326,14 @@ def test_client_with_its_own_data_dir_trains_on_its_whole_local_split(tmp_path, 
     reply = runtime.update(1, RoundInfo(round=1, lr=0.05), Message(weights=start), {})
     assert reply["num_samples"] == 12
     assert not torch.equal(reply["weights"], start)
+
+
+def test_stateful_algorithms_keep_client_state_in_context_state(tmp_path, keep_threads, task_identity):
+    """SCAFFOLD's c_k and MOON's previous model live in each node's context.state between rounds."""
+    for algorithm in ("scaffold", "moon"):
+        cfg = flower_config(rounds=3, algorithm=algorithm)
+        expected, _ = simulate(cfg)
+        run = tmp_path / algorithm
+        grid = FakeGrid(cfg, nodes_for(3))
+        assert flower_app.run_server(grid, cfg, FlowerSettings(run_dir=str(run), round_timeout=5))["status"] == "finished"
+        assert torch.allclose(checkpoint_flat(cfg, run), expected, atol=1e-6), algorithm
