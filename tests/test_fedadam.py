@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import torch
+from conftest import assert_learns, assert_resume_is_exact
 
 from fedistill.algorithms.aggregate import ServerAdam
 from fedistill.models.flat import trainable_mask
-from fedistill.engine.simulation import Simulation
 from fedistill.models import build_model
 
 
@@ -58,17 +58,6 @@ def test_batchnorm_statistics_take_the_aggregate():
     assert torch.equal(new[~mask], agg[~mask]) and not torch.equal(new[mask], agg[mask])
 
 
-def test_fedadam_learns_and_resumes_exactly(make_config, digits, tmp_path):
-    cfg = lambda rounds: make_config(rounds=rounds, **{"algorithm.name": "fedadam", "algorithm.server_lr": 0.03})  # noqa: E731
-    full = Simulation(cfg(4), digits, run_dir=tmp_path / "a")
-    full.run()
-    Simulation(cfg(2), digits, run_dir=tmp_path / "b").run()
-    resumed = Simulation(cfg(4), digits, run_dir=tmp_path / "b")
-    resumed.run(resume=True)
-    assert torch.equal(full.server.state["adam_v"], resumed.server.state["adam_v"])
-    from fedistill.models.flat import get_flat
-
-    assert torch.equal(get_flat(full.server.model), get_flat(resumed.server.model))
-    long = Simulation(make_config(rounds=15, clients_per_round=5, **{"algorithm.name": "fedadam", "algorithm.server_lr": 0.03,
-                                                                   "partition.num_clients": 10, "local.epochs": 2}), digits)
-    assert long.run()[-1]["test_accuracy"] > 70.0
+def test_fedadam_learns_and_resumes_exactly(digits, tmp_path):
+    assert_resume_is_exact(digits, tmp_path, "fedadam", server_keys=("adam_m", "adam_v"), **{"algorithm.server_lr": 0.03})
+    assert_learns(digits, "fedadam", **{"algorithm.server_lr": 0.03})

@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import assert_same_rounds
 
 from fedistill.algorithms.aggregate import ServerMomentum, aggregation_weights, weighted_mean
 from fedistill.algorithms.base import Message
@@ -52,20 +53,9 @@ def test_server_momentum_hand_computed():
     assert torch.allclose(g2, torch.tensor([-1.5, 0.5]))
 
 
-def _global_after(cfg, digits, rounds):
-    sim = Simulation(cfg, digits)
-    vectors = []
-    for rnd in range(1, rounds + 1):
-        sim.run_round(rnd)
-        vectors.append(get_flat(sim.server.model))
-    return vectors
-
-
 def test_fedavgm_with_zero_momentum_is_fedavg_bit_for_bit(make_config, digits):
-    a = _global_after(make_config(algorithm="fedavg"), digits, 3)
-    b = _global_after(make_config(**{"algorithm.name": "fedavgm", "algorithm.server_momentum": 0.0}), digits, 3)
-    for va, vb in zip(a, b):
-        assert torch.equal(va, vb)
+    cfg_m = make_config(**{"algorithm.name": "fedavgm", "algorithm.server_momentum": 0.0})
+    assert_same_rounds(make_config(algorithm="fedavg"), cfg_m, digits, rounds=3)
 
 
 def test_fedavgm_round_one_equals_fedavg_and_round_two_differs_by_beta_delta(make_config, digits):

@@ -3,28 +3,18 @@
 from __future__ import annotations
 
 import torch
+from conftest import assert_learns, assert_resume_is_exact, assert_same_rounds, global_vectors
 
 from fedistill.algorithms.fedcurv import fisher_diagonal
-from fedistill.algorithms.scaffold import flat_parameters
+from fedistill.models.flat import flat_parameters
 from fedistill.engine.simulation import Simulation
 from fedistill.losses import curvature_penalty
-from fedistill.models.flat import get_flat
-
-
-def _globals(cfg, digits, rounds):
-    sim = Simulation(cfg, digits)
-    out = []
-    for rnd in range(1, rounds + 1):
-        sim.run_round(rnd)
-        out.append(get_flat(sim.server.model))
-    return out
 
 
 def test_lambda_zero_is_fedavg_and_round_one_is_fedavg_for_any_lambda(make_config, digits):
-    avg = _globals(make_config(algorithm="fedavg"), digits, 2)
-    zero = _globals(make_config(**{"algorithm.name": "fedcurv", "algorithm.lam": 0.0}), digits, 2)
-    big = _globals(make_config(**{"algorithm.name": "fedcurv", "algorithm.lam": 5.0}), digits, 2)
-    assert torch.equal(avg[0], zero[0]) and torch.equal(avg[1], zero[1])
+    assert_same_rounds(make_config(algorithm="fedavg"), make_config(**{"algorithm.name": "fedcurv", "algorithm.lam": 0.0}), digits)
+    avg = global_vectors(make_config(algorithm="fedavg"), digits, 2)
+    big = global_vectors(make_config(**{"algorithm.name": "fedcurv", "algorithm.lam": 5.0}), digits, 2)
     assert torch.equal(avg[0], big[0]) and not torch.equal(avg[1], big[1])
 
 
@@ -82,13 +72,6 @@ def test_p_excludes_the_clients_own_fisher_and_sums_are_untouched(make_config, d
     assert torch.equal(state["fedcurv_U"], U)
 
 
-def test_fedcurv_resumes_exactly_and_learns(make_config, digits, tmp_path):
-    full = Simulation(make_config(rounds=4, algorithm="fedcurv"), digits, run_dir=tmp_path / "a")
-    full.run()
-    Simulation(make_config(rounds=2, algorithm="fedcurv"), digits, run_dir=tmp_path / "b").run()
-    resumed = Simulation(make_config(rounds=4, algorithm="fedcurv"), digits, run_dir=tmp_path / "b")
-    resumed.run(resume=True)
-    assert torch.equal(get_flat(full.server.model), get_flat(resumed.server.model))
-    cfg = make_config(rounds=15, clients_per_round=5, **{"algorithm.name": "fedcurv", "partition.num_clients": 10,
-                                                          "partition.alpha": 0.3, "local.epochs": 2})
-    assert Simulation(cfg, digits).run()[-1]["test_accuracy"] > 70.0
+def test_fedcurv_resumes_exactly_and_learns(digits, tmp_path):
+    assert_resume_is_exact(digits, tmp_path, "fedcurv", server_keys=("fedcurv_U", "fedcurv_V"))
+    assert_learns(digits, "fedcurv")

@@ -5,26 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import assert_learns, assert_same_rounds
 
 from fedistill.engine.simulation import Simulation
 from fedistill.losses import proximal_term
 from fedistill.models.flat import get_flat
 
 
-def _globals(cfg, digits, rounds=2):
-    sim = Simulation(cfg, digits)
-    out = []
-    for rnd in range(1, rounds + 1):
-        sim.run_round(rnd)
-        out.append(get_flat(sim.server.model))
-    return out
-
-
 def test_fedprox_with_mu_zero_is_fedavg_step_for_step(make_config, digits):
-    a = _globals(make_config(algorithm="fedavg"), digits)
-    b = _globals(make_config(**{"algorithm.name": "fedprox", "algorithm.mu": 0.0}), digits)
-    for va, vb in zip(a, b):
-        assert torch.equal(va, vb)
+    assert_same_rounds(make_config(algorithm="fedavg"), make_config(**{"algorithm.name": "fedprox", "algorithm.mu": 0.0}), digits)
 
 
 def test_proximal_term_is_zero_at_the_anchor_and_its_gradient_is_mu_times_the_drift():
@@ -87,14 +76,8 @@ def test_larger_mu_keeps_clients_closer_to_the_global_model(make_config, digits)
     assert drifts[0] > drifts[1] > drifts[2]
 
 
-def test_fedprox_learns_on_label_skewed_digits(make_config, digits):
-    cfg = make_config(
-        rounds=15,
-        clients_per_round=5,
-        **{"algorithm.name": "fedprox", "partition.num_clients": 10, "partition.alpha": 0.3, "local.epochs": 2},
-    )
-    history = Simulation(cfg, digits).run()
-    assert history[-1]["test_accuracy"] > 70.0
+def test_fedprox_learns_on_label_skewed_digits(digits):
+    assert_learns(digits, "fedprox")
 
 
 def test_negative_mu_is_rejected(make_config):

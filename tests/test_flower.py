@@ -16,7 +16,7 @@ import torch
 
 pytest.importorskip("flwr", reason="flwr is not installed: pip install 'fedistill[flower]' (flwr==1.41.0)")
 
-from flwr.app import ConfigRecord, Context, RecordDict  # noqa: E402
+from flwr.app import Context, RecordDict  # noqa: E402
 from flwr.common.serde import recorddict_from_proto, recorddict_to_proto  # noqa: E402
 
 from fedistill.algorithms.base import Message, RoundInfo  # noqa: E402

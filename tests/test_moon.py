@@ -5,25 +5,14 @@ from __future__ import annotations
 import math
 
 import torch
+from conftest import assert_learns, assert_resume_is_exact, assert_same_rounds, global_vectors
 
 from fedistill.engine.simulation import Simulation
 from fedistill.losses import model_contrastive
-from fedistill.models.flat import get_flat
-
-
-def _globals(cfg, digits, rounds):
-    sim = Simulation(cfg, digits)
-    out = []
-    for rnd in range(1, rounds + 1):
-        sim.run_round(rnd)
-        out.append(get_flat(sim.server.model))
-    return out
 
 
 def test_mu_zero_is_fedavg_step_for_step(make_config, digits):
-    a = _globals(make_config(algorithm="fedavg"), digits, 2)
-    b = _globals(make_config(**{"algorithm.name": "moon", "algorithm.mu": 0.0}), digits, 2)
-    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert_same_rounds(make_config(algorithm="fedavg"), make_config(**{"algorithm.name": "moon", "algorithm.mu": 0.0}), digits)
 
 
 def test_previous_equal_to_global_gives_log_two_and_fedavgs_round_one(make_config, digits):
@@ -32,8 +21,8 @@ def test_previous_equal_to_global_gives_log_two_and_fedavgs_round_one(make_confi
     assert math.isclose(float(loss.detach()), math.log(2), rel_tol=1e-6)
     (grad,) = torch.autograd.grad(loss, z)
     assert float(grad.abs().max()) < 1e-7
-    a = _globals(make_config(algorithm="fedavg"), digits, 1)
-    b = _globals(make_config(**{"algorithm.name": "moon", "algorithm.mu": 5.0}), digits, 1)
+    a = global_vectors(make_config(algorithm="fedavg"), digits, 1)
+    b = global_vectors(make_config(**{"algorithm.name": "moon", "algorithm.mu": 5.0}), digits, 1)
     assert torch.allclose(a[0], b[0], atol=1e-6)  # round 1: every client's previous model is w_g^0
 
 
@@ -64,7 +53,6 @@ def test_previous_models_change_only_for_sampled_clients_and_equal_their_uploads
             assert torch.equal(sim.state.client_states[c]["moon_prev"], uploads[c]["weights"])
 
 
-def test_moon_learns_on_label_skewed_digits(make_config, digits):
-    cfg = make_config(rounds=15, clients_per_round=5, **{"algorithm.name": "moon", "partition.num_clients": 10,
-                                                          "partition.alpha": 0.3, "local.epochs": 2})
-    assert Simulation(cfg, digits).run()[-1]["test_accuracy"] > 70.0
+def test_moon_resumes_exactly_and_learns(digits, tmp_path):
+    assert_resume_is_exact(digits, tmp_path, "moon", client_keys=("moon_prev",))
+    assert_learns(digits, "moon")

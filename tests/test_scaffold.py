@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from conftest import assert_learns, assert_resume_is_exact
 
-from fedistill.algorithms.scaffold import flat_parameters
+from fedistill.models.flat import flat_parameters
 from fedistill.engine.simulation import Simulation
 from fedistill.models.flat import get_flat
 
@@ -68,19 +69,9 @@ def test_control_variates_travel_both_ways_in_the_byte_count(make_config, digits
     assert row["bytes_up"] == m * (w + c + 16)
 
 
-def test_resume_equals_uninterrupted(make_config, digits, tmp_path):
-    full = Simulation(make_config(algorithm="scaffold", rounds=4), digits, run_dir=tmp_path / "a")
-    full.run()
-    Simulation(make_config(algorithm="scaffold", rounds=2), digits, run_dir=tmp_path / "b").run()
-    resumed = Simulation(make_config(algorithm="scaffold", rounds=4), digits, run_dir=tmp_path / "b")
-    resumed.run(resume=True)
-    assert torch.equal(get_flat(full.server.model), get_flat(resumed.server.model))
-    assert torch.equal(full.server.state["scaffold_c"], resumed.server.state["scaffold_c"])
-    for cid, state in full.state.client_states.items():
-        assert torch.equal(state["scaffold_c"], resumed.state.client_states[cid]["scaffold_c"])
+def test_resume_equals_uninterrupted(digits, tmp_path):
+    assert_resume_is_exact(digits, tmp_path, "scaffold", server_keys=("scaffold_c",), client_keys=("scaffold_c",))
 
 
-def test_scaffold_learns_on_label_skewed_digits(make_config, digits):
-    cfg = make_config(rounds=15, clients_per_round=5, **{"algorithm.name": "scaffold", "partition.num_clients": 10,
-                                                          "partition.alpha": 0.3, "local.epochs": 2})
-    assert Simulation(cfg, digits).run()[-1]["test_accuracy"] > 70.0
+def test_scaffold_learns_on_label_skewed_digits(digits):
+    assert_learns(digits, "scaffold")

@@ -95,3 +95,14 @@ def model_contrastive(z: torch.Tensor, z_global: torch.Tensor, z_prev: torch.Ten
         [F.cosine_similarity(z, z_global, dim=1, eps=1e-8), F.cosine_similarity(z, z_prev, dim=1, eps=1e-8)], dim=1
     )
     return F.cross_entropy(sims / tau, torch.zeros(z.shape[0], dtype=torch.long, device=z.device))
+
+
+def dynamic_regulariser(
+    params: list[torch.Tensor], anchors: list[torch.Tensor], linear: list[torch.Tensor], alpha: float
+) -> torch.Tensor:
+    """FedDyn's client terms ``−⟨g_k, w⟩ + (α/2)||w − w_anchor||²`` (spec/feddyn.md §3).
+
+    ``linear`` holds ``g_k`` split like ``params``. At the anchor the gradient is exactly ``−g_k``.
+    """
+    inner = sum((g * p.float()).sum() for g, p in zip(linear, params))
+    return proximal_term(params, anchors, alpha) - inner

@@ -6,7 +6,7 @@ aggregate, so FedAvgM, FedAdam and plain replacement are interchangeable ingredi
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from typing import Any, Sequence
 
 import torch
 

@@ -15,11 +15,11 @@ import torch.nn.functional as F
 from pydantic import Field
 
 from ..losses import curvature_penalty
+from ..models.flat import flat_parameters, trainable_parameters
 from ..registry import ALGORITHMS
 from .base import ClientContext, Message, RoundInfo, ServerContext
 from .fedavg import FedAvg, FedAvgParams
 from .local import ExtraLoss, LocalResult
-from .scaffold import flat_parameters, trainable_parameters
 
 
 class FedCurvParams(FedAvgParams):

@@ -12,13 +12,12 @@ from typing import Any, Literal, Mapping
 import torch
 from pydantic import Field
 
-from ..losses import proximal_term
-from ..models.flat import get_flat, set_flat, trainable_mask
+from ..losses import dynamic_regulariser
+from ..models.flat import flat_parameters, get_flat, set_flat, trainable_mask, trainable_parameters
 from ..registry import ALGORITHMS
 from .base import ClientContext, Message, RoundInfo, ServerContext
 from .fedavg import FedAvg, FedAvgParams
 from .local import ExtraLoss, LocalResult
-from .scaffold import flat_parameters, trainable_parameters
 
 
 class FedDynParams(FedAvgParams):
@@ -42,11 +41,7 @@ class FedDyn(FedAvg):
         g_pieces = [piece.view_as(p).to(p.device) for piece, p in zip(g.split([p.numel() for p in params]), params)]
         alpha = self.params.alpha
 
-        def dyn(model, x, y, logits, features):
-            linear = sum((gp * p.float()).sum() for gp, p in zip(g_pieces, params))
-            return proximal_term(params, anchors, alpha) - linear
-
-        return dyn
+        return lambda model, x, y, logits, features: dynamic_regulariser(params, anchors, g_pieces, alpha)
 
     def reply_extras(self, client: ClientContext, info: RoundInfo, msg: Message, result: LocalResult) -> dict[str, Any]:
         drift = flat_parameters(client.model).double() - self._anchor.double()

@@ -13,19 +13,11 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from ..models.flat import trainable_mask
+from ..models.flat import flat_parameters, trainable_mask, trainable_parameters
 from ..registry import ALGORITHMS
 from .base import ClientContext, Message, RoundInfo, ServerContext
 from .fedavg import FedAvg, FedAvgParams
 from .local import LocalResult, effective_local_steps
-
-
-def trainable_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
-    return [p for p in model.parameters() if p.requires_grad]
-
-
-def flat_parameters(model: torch.nn.Module) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1).float().cpu() for p in trainable_parameters(model)])
 
 
 @ALGORITHMS.register("scaffold")

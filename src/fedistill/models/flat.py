@@ -45,3 +45,12 @@ def trainable_mask(model: nn.Module) -> torch.Tensor:
     """True for the entries of the flat vector that are trainable parameters (not BatchNorm statistics)."""
     params = {id(p) for p in model.parameters() if p.requires_grad}
     return torch.cat([torch.full((t.numel(),), id(t) in params, dtype=torch.bool) for t in float_state(model)])
+
+
+def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def flat_parameters(model: nn.Module) -> torch.Tensor:
+    """A new float32 CPU vector of the trainable parameters in ``model.parameters()`` order (no buffers)."""
+    return torch.cat([p.detach().reshape(-1).float().cpu() for p in trainable_parameters(model)])
