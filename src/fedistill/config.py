@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .errors import ConfigError
 
@@ -93,9 +93,26 @@ class AlgorithmConfig(BaseModel):
 
     model_config = ConfigDict(extra="allow")
     name: str = "fedavg"
+    # Methods whose ingredients are added to ``name`` (algorithms/compose.py), each with its parameters.
+    plus: dict[str, dict[str, Any]] = Field(default_factory=dict)
+
+    @field_validator("plus", mode="before")
+    @classmethod
+    def _names_to_mapping(cls, value: Any) -> Any:
+        # ``plus: [fedprox, fedavgm]`` or ``--set algorithm.plus=fedprox,fedavgm``: default parameters.
+        if isinstance(value, str):
+            value = [v for v in value.replace("+", ",").split(",") if v.strip()]
+        if isinstance(value, (list, tuple)):
+            return {str(v).strip(): {} for v in value}
+        if isinstance(value, dict):
+            return {k: ({} if v is None else v) for k, v in value.items()}
+        return value
 
     def params_dict(self) -> dict[str, Any]:
         return dict(self.model_extra or {})
+
+    def display_name(self) -> str:
+        return "+".join([self.name, *self.plus])
 
 
 class Config(_Section):
@@ -140,7 +157,10 @@ class Config(_Section):
         return self.seed if self.partition.seed is None else self.partition.seed
 
     def to_dict(self) -> dict[str, Any]:
-        return self.model_dump(mode="json")
+        tree = self.model_dump(mode="json")
+        if not tree["algorithm"]["plus"]:
+            del tree["algorithm"]["plus"]  # a plain method's saved config stays {name, params}
+        return tree
 
 
 def _format_validation_error(err: ValidationError) -> str:
@@ -228,6 +248,12 @@ def validate_names(cfg: Config) -> None:
 
     algo_cls = ALGORITHMS.get(cfg.algorithm.name, key="algorithm.name")
     algorithm_params(algo_cls, cfg)
+    for name, params in cfg.algorithm.plus.items():
+        part_params(ALGORITHMS.get(name, key=f"algorithm.plus.{name}"), name, params)
+    if cfg.algorithm.plus:
+        from .engine.simulation import make_algorithm
+
+        make_algorithm(cfg)  # refuses parts that cannot be combined, now rather than in round 1
     DATASETS.get(cfg.dataset.name, key="dataset.name")
     MODELS.get(cfg.model_name(), key="model.name")
     from .models import model_options
@@ -243,12 +269,20 @@ def validate_names(cfg: Config) -> None:
 
 
 def algorithm_params(algo_cls: Any, cfg: Config) -> Any:
+    return part_params(algo_cls, cfg.algorithm.name, cfg.algorithm.params_dict(), prefix="algorithm")
+
+
+def part_params(algo_cls: Any, name: str, params: dict[str, Any], prefix: str | None = None) -> Any:
+    """``params`` validated by ``algo_cls.Params``; errors name the config key (``algorithm.plus.NAME.KEY``)."""
+    prefix = prefix or f"algorithm.plus.{name}"
+    if not isinstance(params, dict):
+        raise ConfigError(f"{prefix}: expected a mapping of parameters, got {params!r}")
     try:
-        return algo_cls.Params.model_validate(cfg.algorithm.params_dict())
+        return algo_cls.Params.model_validate(params)
     except ValidationError as err:
         first = err.errors()[0]
         key = ".".join(str(p) for p in first["loc"])
         if first["type"] == "extra_forbidden":
             allowed = ", ".join(algo_cls.Params.model_fields) or "none"
-            raise ConfigError(f"algorithm.{key}: not a parameter of {cfg.algorithm.name} (accepted: {allowed})") from None
-        raise ConfigError(f"algorithm.{key}: {first['msg']} (got {first.get('input')!r})") from None
+            raise ConfigError(f"{prefix}.{key}: not a parameter of {name} (accepted: {allowed})") from None
+        raise ConfigError(f"{prefix}.{key}: {first['msg']} (got {first.get('input')!r})") from None

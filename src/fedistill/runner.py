@@ -57,7 +57,7 @@ def run_experiment(
     # impossible partition or a bad model option leaves no empty run directory behind.
     sim = Simulation(cfg, dataset)
     if run_dir is None:
-        run_dir = RunDirectory.create(cfg.run.out_dir, cfg.run.name, f"{cfg.algorithm.name}-{cfg.dataset.name}")
+        run_dir = RunDirectory.create(cfg.run.out_dir, cfg.run.name, f"{cfg.algorithm.display_name()}-{cfg.dataset.name}")
     sim.run_dir = run_dir.path
     if resume:
         sim.restore()
@@ -69,7 +69,7 @@ def run_experiment(
 
     start_round = sim.state.round
     console.print(
-        f"[bold]{cfg.algorithm.name}[/] on {cfg.dataset.name} ({cfg.model_name()}), {cfg.partition.num_clients} clients "
+        f"[bold]{cfg.algorithm.display_name()}[/] on {cfg.dataset.name} ({cfg.model_name()}), {cfg.partition.num_clients} clients "
         f"({cfg.partition.scheme}), {cfg.clients_per_round}/round, {cfg.rounds} rounds -> {run_dir.path}"
         + (f" (resuming after round {start_round})" if resume else "")
     )
@@ -111,7 +111,7 @@ def run_experiment(
     run_dir.write_csv(history)
     run_dir.write_summary(summary)
     curve = [(r["round"], r["test_accuracy"]) for r in history if r.get("test_accuracy") is not None]
-    plot_accuracy({cfg.algorithm.name: curve}, run_dir.path / "accuracy.png", cfg.eval.target_accuracy)
+    plot_accuracy({cfg.algorithm.display_name(): curve}, run_dir.path / "accuracy.png", cfg.eval.target_accuracy)
     print_summary(console, {run_dir.path.name: summary})
     return summary
 

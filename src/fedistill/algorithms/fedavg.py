@@ -42,27 +42,43 @@ class FedAvg(Algorithm):
         weights = aggregation_weights([int(r["num_samples"]) for r in replies], self.params.weighting)
         return weighted_mean([r["weights"] for r in replies], weights)
 
+    def adjust_combined(
+        self, server: ServerContext, global_vec: torch.Tensor, combined: torch.Tensor, replies: list[Message]
+    ) -> torch.Tensor:
+        """A server-side correction of the combined vector before the optimiser (FedDyn's ``− h/α``)."""
+        return combined
+
+    def broadcast_extras(self, server: ServerContext, info: RoundInfo, cid: int) -> dict[str, Any]:
+        """Fields sent with the weights (SCAFFOLD: the server control variate; FedCurv: the others' stats)."""
+        return {}
+
+    def after_aggregate(self, server: ServerContext, info: RoundInfo, replies: list[Message], cids: list[int]) -> dict[str, float]:
+        """Server-state updates once the new global model is set (SCAFFOLD's c, FedCurv's stored stats)."""
+        return {}
+
     # -- server ---------------------------------------------------------------------------------
     def broadcast(self, server: ServerContext, info: RoundInfo, cid: int) -> Message:
         # The global model does not change within a round: flatten it once, send the same vector.
         if getattr(self, "_broadcast_round", None) != info.round:
             self._broadcast_round, self._broadcast_vec = info.round, get_flat(server.model)
-        return Message(weights=self._broadcast_vec)
+        return Message(weights=self._broadcast_vec, **self.broadcast_extras(server, info, cid))
 
     def aggregate(self, server: ServerContext, info: RoundInfo, replies: Mapping[int, Message]) -> dict[str, float]:
+        cids = sorted(replies)
+        ordered = [replies[c] for c in cids]
         global_vec = get_flat(server.model)
-        combined = self.combine(global_vec, [replies[c] for c in sorted(replies)])
+        combined = self.adjust_combined(server, global_vec, self.combine(global_vec, ordered), ordered)
         new_global = self.server_optimizer(server).step(server.state, global_vec, combined)
         set_flat(server.model, new_global)
         self._broadcast_round = None
-        return {}
+        return self.after_aggregate(server, info, ordered, cids)
 
     # -- client ---------------------------------------------------------------------------------
-    def extra_loss(self, client: ClientContext) -> ExtraLoss | None:
+    def extra_loss(self, client: ClientContext, msg: Message) -> ExtraLoss | None:
         """A loss term added to the client's CE this round (None for FedAvg).
 
-        Called after the broadcast weights are loaded into ``client.model``, so a term can anchor on them.
-        Methods that are FedAvg plus one local term (FedProx, ...) override only this.
+        Called after the broadcast weights ``msg["weights"]`` are loaded into ``client.model``, so a term
+        can anchor on them. Methods that are FedAvg plus one local term (FedProx, ...) override only this.
         """
         return None
 
@@ -75,7 +91,7 @@ class FedAvg(Algorithm):
             batch_size=self.local.batch_size,
             momentum=self.local.momentum,
             weight_decay=self.local.weight_decay,
-            extra_loss=self.extra_loss(client),
+            extra_loss=self.extra_loss(client, msg),
             logit_transform=self.logit_transform(client),
             with_features=self.needs_features,
             before_step=self.grad_correction(client, msg),

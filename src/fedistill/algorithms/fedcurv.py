@@ -8,7 +8,7 @@ its loss (card §3). The reference code's in-place aliasing bug is not reproduce
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -67,36 +67,30 @@ class FedCurv(FedAvg):
         server.state["fedcurv_U"] = torch.zeros(size)
         server.state["fedcurv_V"] = torch.zeros(size)
 
-    def broadcast(self, server: ServerContext, info: RoundInfo, cid: int) -> Message:
-        weights = super().broadcast(server, info, cid)["weights"]
+    def broadcast_extras(self, server: ServerContext, info: RoundInfo, cid: int) -> dict[str, Any]:
         U, V = server.state["fedcurv_U"], server.state["fedcurv_V"]
         own_u, own_v = server.state["fedcurv_u"].get(cid), server.state["fedcurv_v"].get(cid)
         # New tensors per client: U and V are never modified here (card §4).
         p = U - own_u if own_u is not None else U.clone()
         q = V - own_v if own_v is not None else V.clone()
-        return Message(weights=weights, fisher_p=p, fisher_q=q)
+        return {"fisher_p": p, "fisher_q": q}
 
-    def aggregate(self, server: ServerContext, info: RoundInfo, replies: Mapping[int, Message]) -> dict[str, float]:
-        metrics = super().aggregate(server, info, replies)
-        for cid in sorted(replies):
-            server.state["fedcurv_u"][cid] = replies[cid]["fisher_u"]
-            server.state["fedcurv_v"][cid] = replies[cid]["fisher_v"]
+    def after_aggregate(self, server: ServerContext, info: RoundInfo, replies: list[Message], cids: list[int]) -> dict[str, float]:
+        for cid, reply in zip(cids, replies):
+            server.state["fedcurv_u"][cid] = reply["fisher_u"]
+            server.state["fedcurv_v"][cid] = reply["fisher_v"]
         # Recompute the sums over every stored client instead of add/subtract (no float drift; card §3).
         stored = sorted(server.state["fedcurv_u"])
         server.state["fedcurv_U"] = torch.stack([server.state["fedcurv_u"][c] for c in stored]).double().sum(0).float()
         server.state["fedcurv_V"] = torch.stack([server.state["fedcurv_v"][c] for c in stored]).double().sum(0).float()
-        return metrics
+        return {}
 
     # -- client ---------------------------------------------------------------------------------
-    def local_update(self, client: ClientContext, info: RoundInfo, msg: Message) -> Message:
-        self._pq = (msg["fisher_p"], msg["fisher_q"])
-        return super().local_update(client, info, msg)
-
-    def extra_loss(self, client: ClientContext) -> ExtraLoss:
+    def extra_loss(self, client: ClientContext, msg: Message) -> ExtraLoss:
         params = trainable_parameters(client.model)
         sizes = [p.numel() for p in params]
-        p_sum = [t.view_as(p).to(p.device) for t, p in zip(self._pq[0].split(sizes), params)]
-        q_sum = [t.view_as(p).to(p.device) for t, p in zip(self._pq[1].split(sizes), params)]
+        p_sum = [t.view_as(p).to(p.device) for t, p in zip(msg["fisher_p"].split(sizes), params)]
+        q_sum = [t.view_as(p).to(p.device) for t, p in zip(msg["fisher_q"].split(sizes), params)]
         lam = self.params.lam
         return lambda model, x, y, logits, features: curvature_penalty(params, p_sum, q_sum, lam)
 

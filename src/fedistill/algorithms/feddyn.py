@@ -7,13 +7,13 @@ training as ``g_k ← g_k − α (w_k − w_anchor)``. The server keeps ``h ← 
 
 from __future__ import annotations
 
-from typing import Any, Literal, Mapping
+from typing import Any, Literal
 
 import torch
 from pydantic import Field
 
 from ..losses import dynamic_regulariser
-from ..models.flat import flat_parameters, get_flat, set_flat, trainable_mask, trainable_parameters
+from ..models.flat import flat_parameters, trainable_mask, trainable_parameters
 from ..registry import ALGORITHMS
 from .base import ClientContext, Message, RoundInfo, ServerContext
 from .fedavg import FedAvg, FedAvgParams
@@ -33,35 +33,32 @@ class FedDyn(FedAvg):
     Params = FedDynParams
 
     # -- client ---------------------------------------------------------------------------------
-    def extra_loss(self, client: ClientContext) -> ExtraLoss:
+    def extra_loss(self, client: ClientContext, msg: Message) -> ExtraLoss:
         params = trainable_parameters(client.model)
         anchors = [p.detach().clone() for p in params]
-        self._anchor = flat_parameters(client.model)
-        g = client.state.setdefault("feddyn_g", torch.zeros_like(self._anchor))
+        g = client.state.setdefault("feddyn_g", torch.zeros(sum(p.numel() for p in params)))
         g_pieces = [piece.view_as(p).to(p.device) for piece, p in zip(g.split([p.numel() for p in params]), params)]
         alpha = self.params.alpha
 
         return lambda model, x, y, logits, features: dynamic_regulariser(params, anchors, g_pieces, alpha)
 
     def reply_extras(self, client: ClientContext, info: RoundInfo, msg: Message, result: LocalResult) -> dict[str, Any]:
-        drift = flat_parameters(client.model).double() - self._anchor.double()
+        anchor = msg["weights"][trainable_mask(client.model)]  # the broadcast trainable weights
+        drift = flat_parameters(client.model).double() - anchor.double()
         client.state["feddyn_g"] = (client.state["feddyn_g"].double() - self.params.alpha * drift).float()
         return {}
 
     # -- server ---------------------------------------------------------------------------------
-    def aggregate(self, server: ServerContext, info: RoundInfo, replies: Mapping[int, Message]) -> dict[str, float]:
-        global_vec = get_flat(server.model)
-        ordered = [replies[c] for c in sorted(replies)]
-        mean = self.combine(global_vec, ordered)
+    def adjust_combined(
+        self, server: ServerContext, global_vec: torch.Tensor, combined: torch.Tensor, replies: list[Message]
+    ) -> torch.Tensor:
         mask = trainable_mask(server.model)
         drift_sum = torch.zeros(int(mask.sum()), dtype=torch.float64)
-        for r in ordered:
+        for r in replies:
             drift_sum += (r["weights"][mask].double() - global_vec[mask].double())
         h = server.state.get("feddyn_h", torch.zeros(int(mask.sum()))).double()
         h = h - (self.params.alpha / server.num_clients) * drift_sum
         server.state["feddyn_h"] = h.float()
-        new_global = mean.double()
-        new_global[mask] -= h / self.params.alpha
-        set_flat(server.model, new_global.float())
-        self._broadcast_round = None
-        return {}
+        corrected = combined.double()
+        corrected[mask] -= h / self.params.alpha  # w_g = mean_k w_k − h/α (card §3)
+        return corrected.float()

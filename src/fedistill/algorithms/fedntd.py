@@ -15,7 +15,7 @@ from pydantic import Field
 from ..losses import not_true_distillation
 from ..models.flat import set_flat
 from ..registry import ALGORITHMS
-from .base import ClientContext, Message, RoundInfo
+from .base import ClientContext, Message
 from .fedavg import FedAvg, FedAvgParams
 from .local import ExtraLoss
 
@@ -33,21 +33,17 @@ class FedNTD(FedAvg):
     name = "fedntd"
     Params = FedNTDParams
 
-    def local_update(self, client: ClientContext, info: RoundInfo, msg: Message) -> Message:
-        self._round_weights = msg["weights"]
-        return super().local_update(client, info, msg)
-
-    def _teacher(self, client: ClientContext) -> torch.nn.Module:
+    def _teacher(self, client: ClientContext, weights: torch.Tensor) -> torch.nn.Module:
         # One teacher module per process, reloaded each round from the broadcast (never a copy per client).
         if getattr(self, "_teacher_model", None) is None:
             self._teacher_model = copy.deepcopy(client.model)
             self._teacher_model.requires_grad_(False)
-        set_flat(self._teacher_model, self._round_weights)
+        set_flat(self._teacher_model, weights)
         return self._teacher_model.eval()
 
-    def extra_loss(self, client: ClientContext) -> ExtraLoss:
+    def extra_loss(self, client: ClientContext, msg: Message) -> ExtraLoss:
         beta, tau = self.params.beta, self.params.tau
-        teacher = None if self.params.teacher_free else self._teacher(client)
+        teacher = None if self.params.teacher_free else self._teacher(client, msg["weights"])
 
         def ntd(model, x, y, logits, features):
             if teacher is None:

@@ -10,7 +10,7 @@ from pydantic import Field
 
 from ..losses import proximal_term
 from ..registry import ALGORITHMS
-from .base import ClientContext
+from .base import ClientContext, Message
 from .fedavg import FedAvg, FedAvgParams
 from .local import ExtraLoss
 
@@ -26,7 +26,7 @@ class FedProx(FedAvg):
     name = "fedprox"
     Params = FedProxParams
 
-    def extra_loss(self, client: ClientContext) -> ExtraLoss:
+    def extra_loss(self, client: ClientContext, msg: Message) -> ExtraLoss:
         params = [p for p in client.model.parameters() if p.requires_grad]
         # Detached copies of the received weights: the anchor never changes during the round (card §3;
         # ambiguity 1: trainable parameters only, not BatchNorm buffers).

@@ -35,10 +35,6 @@ class Moon(FedAvg):
     Params = MoonParams
     needs_features = True
 
-    def local_update(self, client: ClientContext, info: RoundInfo, msg: Message) -> Message:
-        self._round_weights = msg["weights"]
-        return super().local_update(client, info, msg)
-
     def _frozen(self, client: ClientContext, attr: str, weights: torch.Tensor) -> torch.nn.Module:
         # Two frozen modules per process (global, previous), reloaded per client; never a copy per client.
         model = getattr(self, attr, None)
@@ -48,11 +44,11 @@ class Moon(FedAvg):
         set_flat(model, weights)
         return model.eval()
 
-    def extra_loss(self, client: ClientContext) -> ExtraLoss:
+    def extra_loss(self, client: ClientContext, msg: Message) -> ExtraLoss:
         prev_weights = client.state.get("moon_prev")
         if prev_weights is None:
-            prev_weights = client.initial_weights if client.initial_weights is not None else self._round_weights
-        global_model = self._frozen(client, "_global_model", self._round_weights)
+            prev_weights = client.initial_weights if client.initial_weights is not None else msg["weights"]
+        global_model = self._frozen(client, "_global_model", msg["weights"])
         prev_model = self._frozen(client, "_prev_model", prev_weights)
         mu, tau = self.params.mu, self.params.tau
 

@@ -9,7 +9,7 @@ parameters only, flattened in ``model.parameters()`` order, and are stored in fl
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping
+from typing import Any, Callable
 
 import torch
 
@@ -31,18 +31,16 @@ class Scaffold(FedAvg):
     def init_server(self, server: ServerContext) -> None:
         server.state["scaffold_c"] = torch.zeros_like(flat_parameters(server.model))
 
-    def broadcast(self, server: ServerContext, info: RoundInfo, cid: int) -> Message:
-        weights = super().broadcast(server, info, cid)
-        return Message(weights=weights["weights"], control=server.state["scaffold_c"])
+    def broadcast_extras(self, server: ServerContext, info: RoundInfo, cid: int) -> dict[str, Any]:
+        return {"control": server.state["scaffold_c"]}
 
-    def aggregate(self, server: ServerContext, info: RoundInfo, replies: Mapping[int, Message]) -> dict[str, float]:
-        metrics = super().aggregate(server, info, replies)
+    def after_aggregate(self, server: ServerContext, info: RoundInfo, replies: list[Message], cids: list[int]) -> dict[str, float]:
         total = torch.zeros_like(server.state["scaffold_c"], dtype=torch.float64)
-        for cid in sorted(replies):
-            total += replies[cid]["control_delta"].double()
+        for reply in replies:
+            total += reply["control_delta"].double()
         # c ← c + (1/N) Σ Δc_k over the sampled clients, N = every client (card §3 and ambiguity 4).
         server.state["scaffold_c"] = (server.state["scaffold_c"].double() + total / server.num_clients).float()
-        return metrics
+        return {}
 
     # -- client ---------------------------------------------------------------------------------
     def _client_control(self, client: ClientContext, size: int) -> torch.Tensor:

@@ -16,7 +16,7 @@ import torch
 
 from ..algorithms.base import Algorithm, ClientContext, Message, RoundInfo, ServerContext
 from ..algorithms.local import evaluate
-from ..config import Config, algorithm_params
+from ..config import Config, algorithm_params, part_params
 from ..data.dataset import Dataset
 from ..data.pipeline import AugmentSpec, TensorPipeline
 from ..errors import TrainingDiverged
@@ -103,8 +103,18 @@ def round_info(cfg: Config, rnd: int) -> RoundInfo:
 
 
 def make_algorithm(cfg: Config) -> Algorithm:
+    """The configured method; with ``algorithm.plus``, a Composite of it and the added methods."""
     algo_cls = ALGORITHMS.get(cfg.algorithm.name, key="algorithm.name")
-    return algo_cls(algorithm_params(algo_cls, cfg), cfg.local)
+    algorithm = algo_cls(algorithm_params(algo_cls, cfg), cfg.local)
+    if not cfg.algorithm.plus:
+        return algorithm
+    from ..algorithms.compose import Composite
+
+    parts = [algorithm]
+    for name, params in cfg.algorithm.plus.items():
+        part_cls = ALGORITHMS.get(name, key=f"algorithm.plus.{name}")
+        parts.append(part_cls(part_params(part_cls, name, params), cfg.local))
+    return Composite(parts)
 
 
 def apply_process_settings(cfg: Config) -> None:

@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(
-        f"wrote {out / 'pyproject.toml'}: {cfg.algorithm.name} on {cfg.dataset.name}, {cfg.partition.num_clients} clients; "
+        f"wrote {out / 'pyproject.toml'}: {cfg.algorithm.display_name()} on {cfg.dataset.name}, {cfg.partition.num_clients} clients; "
         f"start {cfg.partition.num_clients} SuperNodes with --node-config 'partition-id=<0..{cfg.partition.num_clients - 1}> "
         f"num-partitions={cfg.partition.num_clients}'"
     )

@@ -183,7 +183,7 @@ def run_server(grid: Grid, cfg: Config, settings: FlowerSettings) -> dict[str, A
     elif settings.resume:
         raise ConfigError("run config resume=true needs run-dir (the run directory to continue)")
     else:
-        run_dir = RunDirectory.create(cfg.run.out_dir, cfg.run.name, f"{cfg.algorithm.name}-{cfg.dataset.name}-flower")
+        run_dir = RunDirectory.create(cfg.run.out_dir, cfg.run.name, f"{cfg.algorithm.display_name()}-{cfg.dataset.name}-flower")
     runtime = ServerRuntime(cfg, dataset, num_clients, run_dir.path)
     if settings.resume:
         runtime.restore()
@@ -193,7 +193,7 @@ def run_server(grid: Grid, cfg: Config, settings: FlowerSettings) -> dict[str, A
     run_dir.write_partition(counts)
     plot_partition(counts, run_dir.path / "partition.png", f"{cfg.partition.scheme}: {num_clients} clients")
     _say(
-        f"{cfg.algorithm.name} on {cfg.dataset.name}, {num_clients} clients, {cfg.clients_per_round}/round, "
+        f"{cfg.algorithm.display_name()} on {cfg.dataset.name}, {num_clients} clients, {cfg.clients_per_round}/round, "
         f"{cfg.rounds} rounds -> {run_dir.path}" + (f" (resuming after round {runtime.state.round})" if settings.resume else "")
     )
 
@@ -271,7 +271,7 @@ def run_server(grid: Grid, cfg: Config, settings: FlowerSettings) -> dict[str, A
         raise
     summary = finish("finished")
     curve = [(r["round"], r["test_accuracy"]) for r in runtime.state.history if r.get("test_accuracy") is not None]
-    plot_accuracy({cfg.algorithm.name: curve}, run_dir.path / "accuracy.png", cfg.eval.target_accuracy)
+    plot_accuracy({cfg.algorithm.display_name(): curve}, run_dir.path / "accuracy.png", cfg.eval.target_accuracy)
     _say(f"finished: final accuracy {summary['final_accuracy']}, run directory {run_dir.path}")
     return summary
 

@@ -1,0 +1,146 @@
+"""Combining parameter-averaging methods from the configuration (DESIGN.md, "composition").
+
+Every FedAvg-family method is FedAvg plus ingredients (:class:`~fedistill.algorithms.fedavg.FedAvg`'s hooks):
+a client loss term, a logit transform, a gradient correction, reply and broadcast fields, an aggregation
+rule, a correction of the aggregate, a server optimiser and server-state updates. The papers combine them
+(FedLMD+Prox+AvgM in FedLMD Table 5, SCAFFOLD+FedFTG, FedDyn+FedFTG), so a configuration may too::
+
+    algorithm:
+      name: fedntd          # the base method
+      beta: 1.0             # its parameters
+      plus:                 # methods whose ingredients are added, each with its own parameters
+        fedprox: {mu: 0.01}
+        fedavgm: {server_momentum: 0.9}
+
+:class:`Composite` calls every part's hooks: loss terms are summed, logit transforms and gradient
+corrections are chained in the listed order, reply and broadcast fields are merged, server-state updates
+all run. An aggregation rule (FedNova) and a server optimiser (FedAvgM, FedAdam) can each come from one part
+only; two parts that both define one are refused, since there is no single meaning for "both".
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from ..errors import ConfigError
+from .aggregate import ServerOptimizer
+from .base import ClientContext, Message, RoundInfo, ServerContext
+from .fedavg import FedAvg
+from .local import ExtraLoss, LocalResult
+
+# Hooks that only one part may define: they replace, rather than add to, FedAvg's behaviour.
+EXCLUSIVE_HOOKS = {"combine": "aggregation rule", "server_optimizer": "server optimiser"}
+
+
+def _defines(part: FedAvg, hook: str) -> bool:
+    return getattr(type(part), hook) is not getattr(FedAvg, hook)
+
+
+class Composite(FedAvg):
+    """FedAvg whose ingredients come from several methods (the first is the base, the rest are added)."""
+
+    def __init__(self, parts: list[FedAvg]) -> None:
+        if not parts:
+            raise ValueError("a composite needs at least one part")
+        for part in parts:
+            if not isinstance(part, FedAvg):
+                raise ConfigError(
+                    f"algorithm.plus: {part.name} is not a parameter-averaging method and cannot be combined this way"
+                )
+            # A part that replaces a whole round function would be silently bypassed here: refuse it.
+            replaced = [f for f in ("broadcast", "aggregate", "local_update") if _defines(part, f)]
+            if replaced:
+                raise ConfigError(f"algorithm.plus: {part.name} replaces {', '.join(replaced)} and cannot be combined")
+        names = [p.name for p in parts]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"algorithm.plus: each method may appear once (got {' + '.join(names)})")
+        self.owners: dict[str, FedAvg] = {}
+        for hook, what in EXCLUSIVE_HOOKS.items():
+            defining = [p for p in parts if _defines(p, hook)]
+            if len(defining) > 1:
+                raise ConfigError(
+                    f"algorithm.plus: {defining[0].name} and {defining[1].name} both define the {what}; "
+                    "combine at most one of them with the others"
+                )
+            self.owners[hook] = defining[0] if defining else parts[0]
+        super().__init__(parts[0].params, parts[0].local)
+        self.parts = parts
+        self.name = "+".join(names)
+        self.needs_features = any(p.needs_features for p in parts)
+
+    # -- server ---------------------------------------------------------------------------------
+    def init_server(self, server: ServerContext) -> None:
+        for part in self.parts:
+            part.init_server(server)
+
+    def server_optimizer(self, server: ServerContext) -> ServerOptimizer:
+        return self.owners["server_optimizer"].server_optimizer(server)
+
+    def combine(self, global_vec: torch.Tensor, replies: list[Message]) -> torch.Tensor:
+        return self.owners["combine"].combine(global_vec, replies)
+
+    def adjust_combined(
+        self, server: ServerContext, global_vec: torch.Tensor, combined: torch.Tensor, replies: list[Message]
+    ) -> torch.Tensor:
+        for part in self.parts:
+            combined = part.adjust_combined(server, global_vec, combined, replies)
+        return combined
+
+    def broadcast_extras(self, server: ServerContext, info: RoundInfo, cid: int) -> dict[str, Any]:
+        return self._merge("broadcast", [p.broadcast_extras(server, info, cid) for p in self.parts])
+
+    def after_aggregate(self, server: ServerContext, info: RoundInfo, replies: list[Message], cids: list[int]) -> dict[str, float]:
+        return self._merge("metric", [p.after_aggregate(server, info, replies, cids) for p in self.parts])
+
+    # -- client ---------------------------------------------------------------------------------
+    def extra_loss(self, client: ClientContext, msg: Message) -> ExtraLoss | None:
+        terms = [t for t in (p.extra_loss(client, msg) for p in self.parts) if t is not None]
+        if not terms:
+            return None
+        if len(terms) == 1:
+            return terms[0]
+
+        def summed(model, x, y, logits, features):
+            total = terms[0](model, x, y, logits, features)
+            for term in terms[1:]:
+                total = total + term(model, x, y, logits, features)
+            return total
+
+        return summed
+
+    def logit_transform(self, client: ClientContext) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        transforms = [t for t in (p.logit_transform(client) for p in self.parts) if t is not None]
+        if not transforms:
+            return None
+
+        def chained(logits: torch.Tensor) -> torch.Tensor:
+            for transform in transforms:
+                logits = transform(logits)
+            return logits
+
+        return chained
+
+    def grad_correction(self, client: ClientContext, msg: Message) -> Callable[[torch.nn.Module], None] | None:
+        corrections = [c for c in (p.grad_correction(client, msg) for p in self.parts) if c is not None]
+        if not corrections:
+            return None
+
+        def chained(model: torch.nn.Module) -> None:
+            for correction in corrections:
+                correction(model)
+
+        return chained
+
+    def reply_extras(self, client: ClientContext, info: RoundInfo, msg: Message, result: LocalResult) -> dict[str, Any]:
+        return self._merge("reply", [p.reply_extras(client, info, msg, result) for p in self.parts])
+
+    def _merge(self, what: str, dicts: list[dict[str, Any]]) -> dict[str, Any]:
+        merged: dict[str, Any] = {}
+        for part, fields in zip(self.parts, dicts):
+            for key, value in fields.items():
+                if key in merged:
+                    raise ConfigError(f"algorithm.plus: {self.name} cannot be combined: two parts send the {what} field {key!r}")
+                merged[key] = value
+        return merged
