@@ -43,8 +43,10 @@ def test_previous_models_change_only_for_sampled_clients_and_equal_their_uploads
         uploads = {}
         for cid in selected:
             msg = sim.server_runtime.broadcast(info, cid)
-            state = sim.state.client_states.setdefault(cid, {})
+            store = sim.server_runtime.client_store
+            state = store.load(cid)
             uploads[cid] = sim.client_runtime.update(cid, info, msg, state)
+            store.save(cid, state, rnd)
         sim.server_runtime.complete_round(info, uploads, 0, 0, 0.0)
         for c, prev in before.items():
             if c not in selected:

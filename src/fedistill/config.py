@@ -83,6 +83,9 @@ class RunConfig(_Section):
     channels_last: bool = True
     device: str = "cpu"
     threads: int | None = Field(None, ge=1, description="intra-op threads (per worker when workers > 1)")
+    client_state: Literal["auto", "memory", "disk"] = Field(
+        "auto", description="where the simulation keeps client state; auto = disk when the run has a directory"
+    )
     workers: int = Field(1, ge=1, description="client processes; workers x threads must not exceed the cores")
     tune_allocator: bool = Field(True, description="keep freed memory in glibc's heap (fewer page faults)")
     progress: bool = True

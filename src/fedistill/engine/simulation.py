@@ -25,6 +25,7 @@ from ..registry import ALGORITHMS
 from .executors import ProcessPoolExecutor, SequentialExecutor, make_executor
 from .checkpoint import CHECKPOINT_NAME, check_compatible, load_checkpoint, save_checkpoint
 from .perf import keep_freed_memory_in_heap
+from .state_store import DiskStateStore, MemoryStateStore, make_state_store
 from .seeding import CLIENT, INIT, SERVER, derive_seed, make_generator, sample_clients
 
 
@@ -89,12 +90,13 @@ class RunState:
     """What a checkpoint holds besides the models.
 
     ``client_states`` is used by the in-process simulation, which keeps every client's persistent state on
-    the clients' behalf; in a real deployment each client keeps its own.
+    the clients' behalf (in memory or on disk, :mod:`.state_store`); in a real deployment each client keeps
+    its own.
     """
 
     round: int = 0
     history: list[dict[str, Any]] = field(default_factory=list)
-    client_states: dict[int, dict[str, Any]] = field(default_factory=dict)
+    client_states: MemoryStateStore | DiskStateStore = field(default_factory=MemoryStateStore)
 
 
 def round_info(cfg: Config, rnd: int) -> RoundInfo:
@@ -150,7 +152,16 @@ class ServerRuntime:
             num_clients=num_clients,
         )
         self.state = RunState()
+        self._store_ready = False
         self.algorithm.init_server(self.server)
+
+    @property
+    def client_store(self) -> MemoryStateStore | DiskStateStore:
+        """The clients' state store, made on first use (the run directory may be set after construction)."""
+        if not self._store_ready:
+            self.state.client_states = make_state_store(self.cfg.run.client_state, self.run_dir)
+            self._store_ready = True
+        return self.state.client_states
 
     @property
     def checkpoint_path(self) -> Path | None:
@@ -166,17 +177,21 @@ class ServerRuntime:
                 "round": self.state.round,
                 "global_model": self.server.model.state_dict(),
                 "server_state": self.server.state,
-                "client_states": self.state.client_states,
+                "client_store": self.client_store.snapshot(),
                 "history": self.state.history,
             },
         )
+        self.client_store.committed()
 
     def restore(self, path: Path | None = None) -> None:
         payload = load_checkpoint(path or self.checkpoint_path)
         check_compatible(payload["config"], self.cfg.to_dict())
         self.server.model.load_state_dict(payload["global_model"])
         self.server.state = payload["server_state"]
-        self.state = RunState(payload["round"], payload["history"], payload["client_states"])
+        store = self.client_store
+        # Checkpoints from before the state store held a plain dict under "client_states".
+        store.restore(payload.get("client_store") or {"kind": "memory", "states": payload["client_states"]}, self.run_dir)
+        self.state = RunState(payload["round"], payload["history"], store)
 
     def select_clients(self, rnd: int) -> list[int]:
         return sample_clients(self.num_clients, self.cfg.clients_per_round, self.cfg.seed, rnd)
@@ -355,15 +370,16 @@ class Simulation:
         started = time.perf_counter()
         info = self.round_info(rnd)
         selected = self.server_runtime.select_clients(rnd)
+        store = self.server_runtime.client_store
         tasks = []
         for cid in selected:
             msg = self.server_runtime.broadcast(info, cid)
-            tasks.append((cid, info, msg, self.state.client_states.setdefault(cid, {})))
+            tasks.append((cid, info, msg, store.load(cid)))
         results = self.executor.run(tasks)
         replies: dict[int, Message] = {}
         for (cid, _, _, _), (reply, state) in zip(tasks, results):
             replies[cid] = reply
-            self.state.client_states[cid] = state
+            store.save(cid, state, rnd)
         bytes_down = sum(msg.nbytes() for _, _, msg, _ in tasks)
         bytes_up = sum(reply.nbytes() for reply in replies.values())
         return self.server_runtime.complete_round(info, replies, bytes_down, bytes_up, started)
