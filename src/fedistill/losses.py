@@ -106,3 +106,98 @@ def dynamic_regulariser(
     """
     inner = sum((g * p.float()).sum() for g, p in zip(linear, params))
     return proximal_term(params, anchors, alpha) - inner
+
+
+# Finite fill for masked logits: exp underflows to exactly 0, and unlike -inf it never produces 0 * (-inf)
+# or NaN gradients through ``where`` (spec/fedlmd.md §3, "stable implementation").
+_MASKED = -1e9
+
+
+def majority_labels(class_counts: torch.Tensor, rule: str = "code") -> torch.Tensor:
+    """FedLMD's majority set ``M_k`` as a boolean C-vector (spec/fedlmd.md §3 and ambiguity 1).
+
+    ``code`` (default, reference implementation): ``n_{k,c} > n_k / C`` with the mean over all C classes.
+    ``paper``: ``n_{k,c} ≥ n_k / |Y_k|`` with ``Y_k`` the classes the client holds.
+    """
+    counts = class_counts.double()
+    total = counts.sum()
+    if rule == "code":
+        return counts > total / counts.numel()
+    if rule == "paper":
+        present = int((counts > 0).sum())
+        if present == 0:
+            return torch.zeros_like(counts, dtype=torch.bool)
+        return (counts > 0) & (counts >= total / present)
+    raise ValueError(f"unknown majority rule {rule!r} (code or paper)")
+
+
+def masked_teacher_log_distribution(
+    teacher_logits: torch.Tensor | None, teacher_keep: torch.Tensor, tau: float, like: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``log p_t`` on ``teacher_keep`` (meaningless elsewhere): tempered masked softmax, or ``−log|A(y)|``.
+
+    The teacher-free target (``teacher_logits=None``) is FedLMD-Tf's ``μ_{k,y}(i) = 1/|A(y)|`` (Eq. 8) and
+    FedNTD-Tf's uniform not-true distribution; it is not tempered (spec/fedlmd.md §3).
+    """
+    if teacher_logits is None:
+        ref = like if like is not None else teacher_keep.float()
+        support = teacher_keep.sum(dim=1, keepdim=True).clamp_min(1).to(ref.dtype)
+        return (-support.log()).expand(teacher_keep.shape)
+    return torch.log_softmax((teacher_logits.float() / tau).masked_fill(~teacher_keep, _MASKED), dim=1)
+
+
+def masked_distillation(
+    student_logits: torch.Tensor,
+    teacher_logits: torch.Tensor | None,
+    teacher_keep: torch.Tensor,
+    student_keep: torch.Tensor,
+    tau: float,
+) -> torch.Tensor:
+    """``τ² · (1/B) Σ_b KL(p_t || p_s)`` with per-sample supports (spec/fedlmd.md §3, stable form).
+
+    ``p_t`` is the tempered teacher softmax over ``teacher_keep`` (uniform over it when ``teacher_logits`` is
+    None, the teacher-free variants), ``p_s`` the tempered student softmax over ``student_keep``; both masks
+    are (B, C) booleans and ``teacher_keep ⊆ student_keep`` is expected. Rows with an empty teacher support
+    contribute 0 but still count in ``B``. Masked student logits get exactly zero gradient. float32.
+    """
+    s = student_logits.float()
+    log_ps = torch.log_softmax((s / tau).masked_fill(~student_keep, _MASKED), dim=1)
+    valid = teacher_keep.any(dim=1)
+    log_pt = masked_teacher_log_distribution(teacher_logits, teacher_keep, tau, like=s)
+    kl_rows = torch.where(teacher_keep, log_pt.exp() * (log_pt - log_ps), torch.zeros_like(s)).sum(dim=1)
+    return (tau**2) * (kl_rows * valid).sum() / s.shape[0]
+
+
+def label_masking_distillation(
+    student_logits: torch.Tensor,
+    teacher_logits: torch.Tensor | None,
+    labels: torch.Tensor,
+    majority: torch.Tensor,
+    tau: float,
+) -> torch.Tensor:
+    """FedLMD's ``τ² · mean_b ℓ_LMD`` (spec/fedlmd.md §3; paper Eqs. 3-6, code's masks).
+
+    Teacher support ``A(y) = [C] \\ (M_k ∪ {y})``, student support ``S(y) = [C] \\ {y}``; ``majority`` is the
+    client's boolean ``M_k``. ``teacher_logits=None`` is FedLMD-Tf: uniform over ``A(y)`` (Eq. 8).
+    """
+    target = F.one_hot(labels, student_logits.shape[1]).bool()
+    teacher_keep = ~(target | majority.to(target.device)[None, :])
+    return masked_distillation(student_logits, teacher_logits, teacher_keep, ~target, tau)
+
+
+def knowledge_distillation(student_logits: torch.Tensor, teacher_logits: torch.Tensor, tau: float) -> torch.Tensor:
+    """Full-softmax KD ``τ² · mean_b KL(p_t || p_s)`` over all classes (FedLMD Table 1's FedAvg+KD)."""
+    keep = torch.ones_like(student_logits, dtype=torch.bool)
+    return masked_distillation(student_logits, teacher_logits, keep, keep, tau)
+
+
+def label_smoothing_term(logits: torch.Tensor, labels: torch.Tensor, epsilon: float) -> torch.Tensor:
+    """What label smoothing adds to plain CE: ``ε · (mean_b −(1/C) Σ_i log p_i − CE)`` (FedLMD Table 2, FedAvg+LS).
+
+    ``CE + this`` equals ``F.cross_entropy(logits, labels, label_smoothing=ε)`` (PyTorch's
+    ``(1−ε)·onehot + ε/C`` target), so label smoothing composes as a loss term.
+    """
+    log_p = torch.log_softmax(logits.float(), dim=1)
+    uniform_ce = -log_p.mean(dim=1).mean()
+    ce = F.nll_loss(log_p, labels)
+    return epsilon * (uniform_ce - ce)

@@ -95,6 +95,7 @@ class ClientContext:
     precision: str = "fp32"
     # w_g^0: the seeded initial global model, known to every client from the config (MOON's first "previous")
     initial_weights: torch.Tensor | None = None
+    round: int = 0  # the current round t (1-based), as in RoundInfo; schedules such as FedLMD's switch use it
 
     @property
     def num_samples(self) -> int:
@@ -111,6 +112,9 @@ class ServerContext:
     num_classes: int
     device: torch.device = torch.device("cpu")
     num_clients: int = 0  # K, the whole population (SCAFFOLD's 1/N)
+    # n_j of every client of the population, in client-id order, where the deployment tells the server
+    # (the partition is built on the server in both the simulation and Flower); FedDyn's adaptive α_k.
+    client_num_samples: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)

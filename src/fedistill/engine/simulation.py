@@ -287,6 +287,7 @@ class ClientRuntime:
             device=self.device,
             precision=self.cfg.run.precision,
             initial_weights=self.initial_weights,
+            round=rnd,
         )
 
     def update(self, cid: int, info: RoundInfo, msg: Message, state: dict[str, Any]) -> Message:
