@@ -101,6 +101,28 @@ def cmd_compare(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_reproduce(args: argparse.Namespace) -> int:
+    from .reproduce import available_presets, load_preset, reproduce
+
+    if not args.preset:
+        print("presets: " + (", ".join(available_presets()) or "none found (run from the repository root)"))
+        return 0
+    if args.rounds is not None and args.rounds < 1:
+        raise ConfigError(f"--rounds must be >= 1 (got {args.rounds})")
+    preset = load_preset(args.preset)
+    overrides = list(args.overrides)
+    if args.data_dir:
+        overrides.append(f"dataset.data_dir={args.data_dir}")
+    if args.download:
+        overrides.append("dataset.download=true")
+    split = lambda text: [t.strip() for t in text.split(",") if t.strip()] if text else None  # noqa: E731
+    reproduce(
+        preset, Path(args.out), rounds=args.rounds, seeds=args.seeds, methods=split(args.methods),
+        columns=split(args.columns), overrides=overrides,
+    )  # fmt: skip
+    return 0
+
+
 def cmd_list(args: argparse.Namespace) -> int:
     from rich.table import Table
 
@@ -142,6 +164,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="PNG for the overlaid curves (default: compare.png in the current directory)")
     p.add_argument("--target", type=float, default=None, help="target accuracy in percent for rounds-to-target")
 
+    p = sub.add_parser("reproduce", help="run a paper's table (a preset) and print our numbers beside the published ones")
+    p.add_argument("preset", nargs="?", help="preset name (configs/reproduce/NAME.yaml) or path; omit to list them")
+    p.add_argument("--rounds", type=int, help="rounds per run (default: the paper's); more rounds later continue the runs")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0], help="training seeds (default 0)")
+    p.add_argument("--methods", help="comma-separated subset of the preset's methods")
+    p.add_argument("--columns", help="comma-separated subset of the preset's columns (settings)")
+    p.add_argument("--out", default="reproduce", help="parent directory of the runs and tables (default reproduce/)")
+    p.add_argument("--data-dir", help="directory of the official dataset files [dataset.data_dir]")
+    p.add_argument("--download", action="store_true", help="download missing official dataset files")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="override a key in every run, e.g. run.workers=2")
+
     sub.add_parser("list", help="list algorithms, datasets, models and partitions")
     return parser
 
@@ -149,7 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    handlers = {"run": cmd_run, "partition": cmd_partition, "compare": cmd_compare, "list": cmd_list}
+    handlers = {"run": cmd_run, "partition": cmd_partition, "compare": cmd_compare, "list": cmd_list, "reproduce": cmd_reproduce}
     try:
         return handlers[args.command](args)
     except TrainingDiverged as exc:

@@ -1,0 +1,375 @@
+"""``fedistill reproduce``: run the methods of a published table and print our numbers beside the paper's.
+
+A preset (``configs/reproduce/*.yaml``) describes one table: a base configuration (the paper's protocol),
+columns (settings such as "MNIST shards s=2"), methods (each a config fragment, with per-column
+hyperparameters such as the paper's tuned values), and the published numbers. Every (column, method, seed)
+is an ordinary run directory under ``<out>/<preset>/<column>/<method>/seed<s>``, so the harness is
+resumable: a finished run is reused, an interrupted one is resumed, and asking for more rounds continues
+the existing runs (resume allows ``rounds`` to grow). The table is written as Markdown and CSV.
+
+Metrics follow experiments-fedlmd.md §4: the reported accuracy is the best test accuracy over the rounds
+run; the speedup is ``r_ref / r_method`` where ``r_X`` is the first round at which X reaches the reference
+method's (FedAvg's) best accuracy of the same seed. A method that never reaches it has no speedup (the paper
+prints 1.00× there; we print "n/r", not reached).
+"""
+
+from __future__ import annotations
+
+import copy
+import csv
+import io
+import json
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from .config import build_config
+from .errors import ConfigError
+
+PRESET_DIR = "configs/reproduce"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ColumnSpec(_Strict):
+    label: str
+    config: dict[str, Any] = Field(default_factory=dict)
+
+
+class MethodSpec(_Strict):
+    config: dict[str, Any] = Field(default_factory=dict)
+    per_column: dict[str, dict[str, Any]] = Field(default_factory=dict)
+
+
+class Published(_Strict):
+    accuracy: float | None = None
+    speedup: float | None = None
+    note: str | None = None  # "Failed", "not in the paper", ...
+
+
+class Preset(_Strict):
+    name: str
+    title: str
+    source: str
+    reference_method: str = "FedAvg"
+    paper_rounds: int
+    base: dict[str, Any]
+    columns: dict[str, ColumnSpec]
+    methods: dict[str, MethodSpec]
+    published: dict[str, dict[str, Published]] = Field(default_factory=dict)
+    notes: list[str] = Field(default_factory=list)
+
+
+def preset_search_path() -> list[Path]:
+    """Where preset names are looked up: ./configs/reproduce, then the source checkout's."""
+    here = Path(__file__).resolve().parents[2] / PRESET_DIR
+    return [Path.cwd() / PRESET_DIR, here]
+
+
+def available_presets() -> list[str]:
+    names: set[str] = set()
+    for folder in preset_search_path():
+        if folder.is_dir():
+            names.update(p.stem for p in folder.glob("*.yaml"))
+    return sorted(names)
+
+
+def load_preset(name_or_path: str) -> Preset:
+    path = Path(name_or_path)
+    if not path.is_file():
+        candidates = [folder / f"{name_or_path}.yaml" for folder in preset_search_path()]
+        path = next((c for c in candidates if c.is_file()), None)
+        if path is None:
+            raise ConfigError(
+                f"reproduce: no preset {name_or_path!r}; choose one of: {', '.join(available_presets()) or 'none found'} "
+                f"(or give a path to a preset YAML file)"
+            )
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"reproduce: preset {path} is not valid YAML ({exc})") from None
+    try:
+        preset = Preset.model_validate(data)
+    except ValidationError as err:
+        first = err.errors()[0]
+        raise ConfigError(f"reproduce: preset {path}: {'.'.join(map(str, first['loc']))}: {first['msg']}") from None
+    for method, spec in preset.methods.items():
+        unknown = set(spec.per_column) - set(preset.columns)
+        if unknown:
+            raise ConfigError(f"reproduce: preset {path}: method {method} names unknown columns {sorted(unknown)}")
+    if preset.reference_method not in preset.methods:
+        raise ConfigError(f"reproduce: preset {path}: reference method {preset.reference_method} is not among its methods")
+    return preset
+
+
+def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    out = copy.deepcopy(base)
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def run_config(preset: Preset, column: str, method: str, seed: int, rounds: int, overrides: list[str] | dict[str, Any]):
+    """The validated Config of one (column, method, seed) run."""
+    spec = preset.methods[method]
+    tree = _merge(preset.base, preset.columns[column].config)
+    tree = _merge(tree, spec.config)
+    tree = _merge(tree, spec.per_column.get(column, {}))
+    tree["seed"] = seed
+    tree["rounds"] = rounds
+    try:
+        return build_config(tree, overrides)
+    except ConfigError as exc:
+        raise ConfigError(f"reproduce {preset.name} [{column} / {method}]: {exc}") from None
+
+
+@dataclass
+class RunResult:
+    column: str
+    method: str
+    seed: int
+    accuracies: list[tuple[int, float]]  # (round, test accuracy) for the rounds asked for
+    seconds_per_round: float | None
+    diverged_after: int | None = None  # the last good round of a run that diverged (the paper's "Failed")
+
+    @property
+    def best(self) -> float | None:
+        return max((a for _, a in self.accuracies), default=None)
+
+    def first_round_reaching(self, level: float) -> int | None:
+        return next((r for r, a in self.accuracies if a >= level), None)
+
+
+def _stripped(config: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in config.items() if k not in ("rounds", "run")}
+
+
+def ensure_run(cfg, run_path: Path, console) -> tuple[list[dict[str, Any]], bool]:
+    """Run, resume or reuse the run at ``run_path`` so that it has ``cfg.rounds`` rounds.
+
+    Returns its metric rows (at most ``cfg.rounds``) and whether it diverged; a diverged run is a result
+    (the paper's "Failed"), not an error that stops the table.
+    """
+    from .errors import TrainingDiverged
+
+    try:
+        _ensure_run(cfg, run_path, console)
+    except TrainingDiverged as exc:
+        console.print(f"[yellow]{run_path}: {exc}[/]")
+    _, rows, summary = _read(run_path)
+    return rows[: cfg.rounds], summary.get("status") == "diverged"
+
+
+def _read(run_path: Path) -> tuple[dict[str, Any], list[dict[str, Any]], dict[str, Any]]:
+    """(config, rows, summary) of a run directory, tolerating a run that stopped before its first row."""
+    config = yaml.safe_load((run_path / "config.yaml").read_text()) if (run_path / "config.yaml").is_file() else {}
+    metrics = run_path / "metrics.jsonl"
+    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()] if metrics.is_file() else []
+    summary = json.loads((run_path / "summary.json").read_text()) if (run_path / "summary.json").is_file() else {}
+    return config or {}, rows, summary
+
+
+def _ensure_run(cfg, run_path: Path, console) -> None:
+    import shutil
+
+    from .report.rundir import RunDirectory
+    from .runner import run_experiment
+
+    if (run_path / "config.yaml").is_file():
+        saved, rows, summary = _read(run_path)
+        if _stripped(saved) != _stripped(cfg.to_dict()):
+            raise ConfigError(
+                f"reproduce: {run_path} holds a run with another configuration (the preset or --set changed); "
+                "use another --out, or delete that directory"
+            )
+        if summary.get("status") == "diverged" or (summary.get("status") == "finished" and len(rows) >= cfg.rounds):
+            return
+        if (run_path / "checkpoint.pt").is_file():
+            run_experiment(cfg, RunDirectory(run_path), resume=True, console=console)
+            return
+    if run_path.exists():  # a run that died before its first checkpoint: start it again
+        shutil.rmtree(run_path)
+    run_path.mkdir(parents=True)
+    run_experiment(cfg, RunDirectory(run_path), console=console)
+
+
+def reproduce(
+    preset: Preset,
+    out_dir: Path,
+    rounds: int | None = None,
+    seeds: list[int] | None = None,
+    methods: list[str] | None = None,
+    columns: list[str] | None = None,
+    overrides: list[str] | None = None,
+    console=None,
+) -> list[dict[str, Any]]:
+    """Run (or reuse) every selected run, then write and return the comparison table rows."""
+    from .runner import make_console
+
+    console = console or make_console()
+    rounds = rounds or preset.paper_rounds
+    seeds = seeds or [0]
+    methods = methods or list(preset.methods)
+    columns = columns or list(preset.columns)
+    for name, known in (("--methods", preset.methods), ("--columns", preset.columns)):
+        chosen = methods if name == "--methods" else columns
+        bad = [c for c in chosen if c not in known]
+        if bad:
+            raise ConfigError(f"reproduce {name}: {', '.join(bad)} not in preset {preset.name} (choose from: {', '.join(known)})")
+    if preset.reference_method not in methods:
+        methods = [preset.reference_method, *methods]  # speedups need the reference's curve
+    # Validate every configuration before the first run starts.
+    configs = {
+        (c, m, s): run_config(preset, c, m, s, rounds, overrides or []) for c in columns for m in methods for s in seeds
+    }
+    root = Path(out_dir) / preset.name
+    results: dict[tuple[str, str, int], RunResult] = {}
+    for (column, method, seed), cfg in configs.items():
+        run_path = root / column / method.replace("/", "_").replace(" ", "_") / f"seed{seed}"
+        console.print(f"[bold]{preset.name}[/]: {preset.columns[column].label} / {method} / seed {seed} -> {run_path}")
+        rows, diverged = ensure_run(cfg, run_path, console)
+        accuracies = [(r["round"], r["test_accuracy"]) for r in rows if r.get("test_accuracy") is not None]
+        seconds = [r["seconds"] for r in rows if r.get("seconds") is not None]
+        results[(column, method, seed)] = RunResult(
+            column, method, seed, accuracies, statistics.fmean(seconds) if seconds else None,
+            diverged_after=len(rows) if diverged else None,
+        )  # fmt: skip
+    table = comparison_rows(preset, results, columns, methods, seeds, rounds)
+    write_tables(preset, table, root, rounds, seeds)
+    print_table(console, preset, table, rounds, seeds, root)
+    return table
+
+
+def comparison_rows(preset, results, columns, methods, seeds, rounds) -> list[dict[str, Any]]:
+    rows = []
+    for column in columns:
+        ref_seconds = [results[(column, preset.reference_method, s)].seconds_per_round for s in seeds]
+        ref_seconds = [s for s in ref_seconds if s]
+        for method in methods:
+            runs = [results[(column, method, s)] for s in seeds]
+            bests = [r.best for r in runs if r.best is not None]
+            speedups = []
+            for seed, run in zip(seeds, runs):
+                ref = results[(column, preset.reference_method, seed)]
+                if ref.best is None:
+                    continue
+                r_ref, r_method = ref.first_round_reaching(ref.best), run.first_round_reaching(ref.best)
+                speedups.append(None if r_method is None else r_ref / r_method)
+            reached = [s for s in speedups if s is not None]
+            published = preset.published.get(column, {}).get(method, Published(note="not in the paper's table"))
+            seconds = [r.seconds_per_round for r in runs if r.seconds_per_round]
+            failed = [f"seed {r.seed} diverged after round {r.diverged_after}" for r in runs if r.diverged_after is not None]
+            mean_seconds = statistics.fmean(seconds) if seconds else None
+            rows.append(
+                {
+                    "column": column,
+                    "setting": preset.columns[column].label,
+                    "method": method,
+                    "rounds": rounds,
+                    "seeds": len(seeds),
+                    "best_accuracy": statistics.fmean(bests) if bests else None,
+                    "best_accuracy_std": statistics.stdev(bests) if len(bests) > 1 else None,
+                    "speedup": statistics.fmean(reached) if reached else None,
+                    "speedup_reached": f"{len(reached)}/{len(speedups)}",
+                    "published_accuracy": published.accuracy,
+                    "published_speedup": published.speedup,
+                    "published_note": published.note,
+                    "seconds_per_round": mean_seconds,
+                    "seconds_vs_reference": mean_seconds / statistics.fmean(ref_seconds) if mean_seconds and ref_seconds else None,
+                    "failed": "; ".join(failed) or None,
+                }
+            )
+    return rows
+
+
+def _acc(value: float | None, std: float | None = None) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.2f}" + (f" ± {std:.2f}" if std is not None else "")
+
+
+def _speedup(row: dict[str, Any]) -> str:
+    if row["failed"]:
+        return f"Failed ({row['failed']})"
+    if row["speedup"] is None:
+        return "n/r"
+    partial = "" if row["speedup_reached"].split("/")[0] == row["speedup_reached"].split("/")[1] else f" ({row['speedup_reached']} seeds)"
+    return f"{row['speedup']:.2f}×{partial}"
+
+
+def _published(row: dict[str, Any]) -> str:
+    if row["published_accuracy"] is None:
+        return row["published_note"] or "-"
+    speed = f" ({row['published_speedup']:.2f}×)" if row["published_speedup"] is not None else ""
+    return f"{row['published_accuracy']:.2f}{speed}" + (f" {row['published_note']}" if row["published_note"] else "")
+
+
+def markdown_table(preset: Preset, rows: list[dict[str, Any]], rounds: int, seeds: list[int]) -> str:
+    out = io.StringIO()
+    out.write(f"# {preset.title}\n\n{preset.source}\n\n")
+    out.write(
+        f"Ours: best test accuracy over **{rounds}** rounds (the paper ran {preset.paper_rounds}), seeds {seeds}; "
+        f"speedup = rounds for {preset.reference_method} to reach its best / rounds for the method to reach it "
+        "(n/r = not reached; the paper prints 1.00× there).\n\n"
+    )
+    for note in preset.notes:
+        out.write(f"- {note}\n")
+    if preset.notes:
+        out.write("\n")
+    for column in dict.fromkeys(r["column"] for r in rows):
+        part = [r for r in rows if r["column"] == column]
+        out.write(f"## {part[0]['setting']}\n\n")
+        out.write(f"| method | ours: best acc % | ours: speedup | paper: acc % (speedup) | Δ acc | s/round | × {preset.reference_method} |\n")
+        out.write("|---|---|---|---|---|---|---|\n")
+        for r in part:
+            delta = (
+                f"{r['best_accuracy'] - r['published_accuracy']:+.2f}"
+                if r["best_accuracy"] is not None and r["published_accuracy"] is not None
+                else "-"
+            )
+            secs = f"{r['seconds_per_round']:.2f}" if r["seconds_per_round"] else "-"
+            ratio = f"{r['seconds_vs_reference']:.2f}" if r["seconds_vs_reference"] else "-"
+            out.write(
+                f"| {r['method']} | {_acc(r['best_accuracy'], r['best_accuracy_std'])} | {_speedup(r)} | {_published(r)} | {delta} | {secs} | {ratio} |\n"
+            )
+        out.write("\n")
+    return out.getvalue()
+
+
+def write_tables(preset: Preset, rows: list[dict[str, Any]], root: Path, rounds: int, seeds: list[int]) -> None:
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "table.md").write_text(markdown_table(preset, rows, rounds, seeds))
+    with open(root / "table.csv", "w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    (root / "table.json").write_text(json.dumps(rows, indent=1))
+
+
+def print_table(console, preset: Preset, rows: list[dict[str, Any]], rounds: int, seeds: list[int], root: Path) -> None:
+    from rich.table import Table
+
+    table = Table(title=f"{preset.title}: {rounds} rounds (paper {preset.paper_rounds}), seeds {seeds}", title_justify="left")
+    for col in ("setting", "method", "ours acc %", "ours speedup", "paper acc % (speedup)", "s/round", f"× {preset.reference_method}"):
+        table.add_column(col, justify="left" if col in ("setting", "method") else "right")
+    for r in rows:
+        table.add_row(
+            r["setting"],
+            r["method"],
+            _acc(r["best_accuracy"], r["best_accuracy_std"]),
+            _speedup(r),
+            _published(r),
+            f"{r['seconds_per_round']:.2f}" if r["seconds_per_round"] else "-",
+            f"{r['seconds_vs_reference']:.2f}" if r["seconds_vs_reference"] else "-",
+        )
+    console.print(table)
+    console.print(f"table: {root / 'table.md'} and {root / 'table.csv'}")

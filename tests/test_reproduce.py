@@ -1,0 +1,138 @@
+"""``fedistill reproduce``: presets, resumable runs, the comparison table (reproduce.py)."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import pytest
+import yaml
+
+from fedistill.cli import main
+from fedistill.errors import ConfigError
+from fedistill.reproduce import Preset, RunResult, comparison_rows, load_preset, reproduce, run_config
+
+TINY = {
+    "name": "tiny",
+    "title": "Tiny table on digits",
+    "source": "test",
+    "paper_rounds": 50,
+    "base": {
+        "clients_per_round": 3,
+        "dataset": {"name": "digits"},
+        "partition": {"num_clients": 6, "seed": 3},
+        "local": {"epochs": 1, "batch_size": 32, "lr": 0.05},
+        "run": {"progress": False, "checkpoint_every": 1},
+    },
+    "columns": {
+        "lda": {"label": "digits LDA α=0.3", "config": {"partition": {"scheme": "lda", "alpha": 0.3}}},
+        "iid": {"label": "digits iid", "config": {"partition": {"scheme": "iid"}}},
+    },
+    "methods": {
+        "FedAvg": {"config": {"algorithm": {"name": "fedavg"}}},
+        "FedProx": {"config": {"algorithm": {"name": "fedprox"}}, "per_column": {"iid": {"algorithm": {"mu": 0.01}}}},
+        "Exploding": {"config": {"algorithm": {"name": "fedavg"}, "local": {"lr": 1.0e6}}},
+    },
+    "published": {"lda": {"FedAvg": {"accuracy": 80.0, "speedup": 1.0}, "FedProx": {"accuracy": 79.5}}},
+}
+
+
+@pytest.fixture
+def tiny(tmp_path):
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(TINY, sort_keys=False))
+    return load_preset(str(path))
+
+
+def test_per_column_hyperparameters_override_the_method_and_the_base(tiny):
+    assert run_config(tiny, "iid", "FedProx", 4, 7, []).algorithm.params_dict() == {"mu": 0.01}
+    assert run_config(tiny, "lda", "FedProx", 4, 7, []).algorithm.params_dict() == {}
+    cfg = run_config(tiny, "lda", "Exploding", 4, 7, ["local.epochs=2"])
+    assert (cfg.seed, cfg.rounds, cfg.local.lr, cfg.local.epochs, cfg.partition.alpha) == (4, 7, 1.0e6, 2, 0.3)
+
+
+def test_speedup_is_rounds_to_the_reference_best():
+    preset = Preset.model_validate({**TINY, "columns": {"lda": TINY["columns"]["lda"]}})
+    curve = lambda accs: [(i + 1, a) for i, a in enumerate(accs)]  # noqa: E731
+    results = {
+        ("lda", "FedAvg", 0): RunResult("lda", "FedAvg", 0, curve([10, 50, 40, 60]), 2.0),
+        ("lda", "FedProx", 0): RunResult("lda", "FedProx", 0, curve([20, 61, 30, 30]), 3.0),
+        ("lda", "Exploding", 0): RunResult("lda", "Exploding", 0, curve([20, 30]), 1.0, diverged_after=2),
+    }
+    rows = {r["method"]: r for r in comparison_rows(preset, results, ["lda"], ["FedAvg", "FedProx", "Exploding"], [0], 4)}
+    assert rows["FedAvg"]["speedup"] == 1.0 and rows["FedAvg"]["best_accuracy"] == 60
+    assert rows["FedProx"]["speedup"] == 2.0  # reaches 60 at round 2; FedAvg at round 4
+    assert rows["FedProx"]["seconds_vs_reference"] == 1.5
+    assert rows["Exploding"]["speedup"] is None and "diverged after round 2" in rows["Exploding"]["failed"]
+    assert rows["FedProx"]["published_accuracy"] == 79.5 and rows["FedProx"]["published_speedup"] is None
+
+
+def test_reproduce_runs_writes_the_table_then_continues_and_reuses(tiny, tmp_path):
+    out = tmp_path / "out"
+    rows = reproduce(tiny, out, rounds=2, seeds=[0])
+    root = out / "tiny"
+    assert (root / "table.md").is_file() and (root / "table.csv").is_file()
+    assert len(rows) == 6
+    by = {(r["column"], r["method"]): r for r in rows}
+    assert by[("lda", "FedAvg")]["speedup"] == 1.0
+    assert by[("lda", "FedAvg")]["published_accuracy"] == 80.0
+    assert by[("iid", "FedProx")]["published_note"] == "not in the paper's table"
+    assert by[("lda", "Exploding")]["failed"] is not None  # lr 1e6 diverges: a "Failed" row, not a crash
+    assert 10 < by[("iid", "FedAvg")]["best_accuracy"] <= 100
+    with open(root / "table.csv") as fh:
+        assert len(list(csv.DictReader(fh))) == 6
+    md = (root / "table.md").read_text()
+    assert "| FedAvg |" in md and "80.00 (1.00×)" in md and "Failed" in md
+
+    def first_rows(method):
+        return [json.loads(line) for line in (root / "lda" / method / "seed0" / "metrics.jsonl").read_text().splitlines()]
+
+    before = first_rows("FedAvg")
+    reproduce(tiny, out, rounds=3, seeds=[0], methods=["FedAvg"], columns=["lda"])
+    after = first_rows("FedAvg")
+    assert len(after) == 3 and after[:2] == before  # continued from the checkpoint, not restarted
+    again = reproduce(tiny, out, rounds=2, seeds=[0], methods=["FedAvg"], columns=["lda"])
+    assert first_rows("FedAvg") == after  # reused: nothing ran
+    assert again[0]["best_accuracy"] == max(r["test_accuracy"] for r in after[:2])
+
+
+def test_a_changed_configuration_is_not_mixed_with_old_runs(tiny, tmp_path):
+    reproduce(tiny, tmp_path, rounds=1, methods=["FedAvg"], columns=["iid"])
+    with pytest.raises(ConfigError, match="another configuration"):
+        reproduce(tiny, tmp_path, rounds=1, methods=["FedAvg"], columns=["iid"], overrides=["local.lr=0.01"])
+
+
+def test_bad_presets_and_selections_are_reported(tiny, tmp_path):
+    with pytest.raises(ConfigError, match="no preset 'nope'; choose one of: .*fedlmd_table3_mnist"):
+        load_preset("nope")
+    with pytest.raises(ConfigError, match="--methods: FedLMD not in preset tiny"):
+        reproduce(tiny, tmp_path, rounds=1, methods=["FedLMD"])
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump({**TINY, "methods": {"FedAvg": {"config": {}, "per_column": {"cifar": {}}}}}, sort_keys=False))
+    with pytest.raises(ConfigError, match="unknown columns"):
+        load_preset(str(bad))
+    bad.write_text(yaml.safe_dump({**TINY, "base": {**TINY["base"], "local": {"lr": -1}}}, sort_keys=False))
+    with pytest.raises(ConfigError, match=r"reproduce tiny \[lda / FedAvg\]: local.lr"):
+        reproduce(load_preset(str(bad)), tmp_path, rounds=1)
+
+
+def test_every_shipped_preset_validates_for_every_run():
+    from fedistill.reproduce import available_presets
+
+    names = available_presets()
+    assert "fedlmd_table3_mnist" in names
+    for name in names:
+        preset = load_preset(name)
+        for column in preset.columns:
+            for method in preset.methods:
+                run_config(preset, column, method, 0, 1, [])
+
+
+def test_cli_lists_presets_and_runs_one(tiny, tmp_path, capsys):
+    assert main(["reproduce"]) == 0
+    assert "fedlmd_table3_mnist" in capsys.readouterr().out
+    path = tmp_path / "tiny.yaml"
+    code = main(["reproduce", str(path), "--rounds", "1", "--methods", "FedAvg", "--columns", "iid", "--out", str(tmp_path / "o")])
+    assert code == 0
+    assert (tmp_path / "o" / "tiny" / "table.md").is_file()
+    assert main(["reproduce", str(path), "--rounds", "0"]) == 2
