@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from conftest import assert_learns, assert_resume_is_exact, assert_same_rounds, global_vectors
 
 from fedistill.algorithms.fedcurv import fisher_diagonal
@@ -75,3 +76,53 @@ def test_p_excludes_the_clients_own_fisher_and_sums_are_untouched(make_config, d
 def test_fedcurv_resumes_exactly_and_learns(digits, tmp_path):
     assert_resume_is_exact(digits, tmp_path, "fedcurv", server_keys=("fedcurv_U", "fedcurv_V"))
     assert_learns(digits, "fedcurv")
+
+
+# -- fisher="per_sample" (card ambiguity 3) -------------------------------------------------------------
+def _fisher_by_hand(ctx, batch_size, budget):
+    """The card's per-sample estimator written as a loop: one backward pass per sample of the same batches."""
+    model = ctx.model.eval()
+    params = [p for p in model.parameters() if p.requires_grad]
+    acc = [torch.zeros_like(p) for p in params]
+    seen = 0
+    for x, y in ctx.data.epoch_batches(ctx.train_indices, batch_size, ctx.generator):
+        for i in range(y.shape[0]):
+            grads = torch.autograd.grad(F.cross_entropy(model(x[i : i + 1]), y[i : i + 1]), params)
+            for a, g in zip(acc, grads):
+                a += g * g
+        seen += int(y.shape[0])
+        if seen > budget:
+            break
+    model.train()
+    return torch.cat([a.reshape(-1) for a in acc]) / seen
+
+
+def test_per_sample_fisher_equals_a_loop_over_single_examples(make_config, digits):
+    sim = Simulation(make_config(algorithm="fedcurv"), digits)
+    expected = _fisher_by_hand(sim.client_runtime.context(0, 1, {}), 10, budget=25)
+    u, batches = fisher_diagonal(sim.client_runtime.context(0, 1, {}), 10, budget=25, estimator="per_sample")
+    assert batches == 3 and u.shape == expected.shape
+    assert torch.allclose(u, expected, rtol=1e-4, atol=1e-9)
+    # With full batches, Jensen per batch: mean_i g_i² >= (mean_i g_i)², so the per-sample estimate dominates.
+    batch_u, _ = fisher_diagonal(sim.client_runtime.context(0, 1, {}), 10, budget=25)
+    assert bool((u >= batch_u - 1e-9).all()) and float(u.sum()) > 2 * float(batch_u.sum())
+
+
+def test_per_sample_fisher_chunks_give_the_same_estimate(make_config, digits, monkeypatch):
+    import fedistill.algorithms.fedcurv as fedcurv
+
+    sim = Simulation(make_config(algorithm="fedcurv"), digits)
+    whole, _ = fisher_diagonal(sim.client_runtime.context(0, 1, {}), 16, budget=40, estimator="per_sample")
+    size = flat_parameters(sim.client_runtime.worker).numel()
+    monkeypatch.setattr(fedcurv, "PER_SAMPLE_FLOATS", 3 * size)  # chunks of 3 samples
+    chunked, _ = fisher_diagonal(sim.client_runtime.context(0, 1, {}), 16, budget=40, estimator="per_sample")
+    assert torch.allclose(whole, chunked, rtol=1e-5, atol=1e-10)
+
+
+def test_fedcurv_runs_with_the_per_sample_fisher(make_config, digits):
+    cfg = make_config(**{"algorithm.name": "fedcurv", "algorithm.fisher": "per_sample", "rounds": 2})
+    sim = Simulation(cfg, digits)
+    sim.run()
+    for u, v in zip(sim.server.state["fedcurv_u"].values(), sim.server.state["fedcurv_v"].values()):
+        assert bool((u >= 0).all()) and float(u.max()) > 0 and torch.isfinite(v).all()
+    assert sim.algorithm.params.fisher == "per_sample"

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import assert_learns, assert_same_rounds
+from conftest import assert_learns, assert_same_rounds, global_vectors
 
+from fedistill.algorithms.base import Message
 from fedistill.engine.simulation import Simulation
 from fedistill.losses import proximal_term
 from fedistill.models.flat import get_flat
@@ -85,3 +86,34 @@ def test_negative_mu_is_rejected(make_config):
 
     with pytest.raises(ConfigError, match="algorithm.mu"):
         make_config(**{"algorithm.name": "fedprox", "algorithm.mu": -1})
+
+
+# -- implementation="grad_hook" (card §3 "Numerics", §7) ----------------------------------------------
+def test_grad_hook_and_loss_term_give_the_same_weights_after_a_round(make_config, digits):
+    """Card §7: adding μ(w − w_anchor) to .grad before the step equals the loss term (up to float rounding)."""
+    settings = {"algorithm.name": "fedprox", "algorithm.mu": 1.0, "local.epochs": 2, "rounds": 2}
+    by_loss = global_vectors(make_config(**settings), digits, 2)
+    by_hook = global_vectors(make_config(**{**settings, "algorithm.implementation": "grad_hook"}), digits, 2)
+    plain = global_vectors(make_config(**{**settings, "algorithm.mu": 0.0}), digits, 2)
+    for a, b, c in zip(by_loss, by_hook, plain):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+        assert float((a - c).abs().max()) > 1e-3  # μ = 1 moves the weights well beyond that tolerance
+
+
+def test_grad_hook_adds_exactly_mu_times_the_drift_and_no_loss_term(make_config, digits):
+    from fedistill.algorithms.fedprox import FedProx
+
+    algo = FedProx(FedProx.Params(mu=0.3, implementation="grad_hook"), make_config().local)
+    sim = Simulation(make_config(), digits)
+    ctx = sim.client_runtime.context(0, 1, {})
+    assert algo.extra_loss(ctx, Message()) is None
+    hook = algo.grad_correction(ctx, Message())
+    anchors = [p.detach().clone() for p in ctx.model.parameters()]
+    with torch.no_grad():
+        for p in ctx.model.parameters():
+            p.add_(torch.randn_like(p))
+            p.grad = torch.ones_like(p)
+    hook(ctx.model)
+    for p, a in zip(ctx.model.parameters(), anchors):
+        assert torch.allclose(p.grad, 1 + 0.3 * (p.detach() - a), atol=1e-6)
+    assert FedProx(FedProx.Params(mu=0.3), make_config().local).grad_correction(ctx, Message()) is None

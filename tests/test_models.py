@@ -230,6 +230,48 @@ def test_bad_values_are_config_errors(name, shape, classes, kwargs):
 
 
 def test_model_options_lists_defaults():
-    assert model_options("resnet18") == {"stem": "cifar", "width": 64}
-    assert model_options("mlp") == {"hidden": (200, 200)}
-    assert model_options("cnn") == {"channels": (32, 64), "hidden": 512}
+    assert model_options("resnet18") == {"stem": "cifar", "width": 64, "projection_dim": None}
+    assert model_options("mlp") == {"hidden": (200, 200), "projection_dim": None}
+    assert model_options("cnn") == {"channels": (32, 64), "hidden": 512, "projection_dim": None}
+
+
+# -- projection_dim: MOON's projection head (spec/moon.md §3, ambiguity 1) ---------------------------------
+
+
+@pytest.mark.parametrize("name", ZOO)
+def test_projection_head_sits_between_features_and_classifier(name):
+    shape = (3, 32, 32)
+    plain = make(name, shape, num_classes=7)
+    model = make(name, shape, num_classes=7, projection_dim=24).train()
+    d = plain.feature_dim
+    assert model.backbone_dim == d and model.feature_dim == 24
+    # The card's head: Linear(d, d) -> ReLU -> Linear(d, out); the classifier reads the projection.
+    assert [type(m) for m in model.projection] == [nn.Linear, nn.ReLU, nn.Linear]
+    assert (model.projection[0].in_features, model.projection[0].out_features) == (d, d)
+    assert (model.projection[2].in_features, model.projection[2].out_features) == (d, 24)
+    assert (model.classifier.in_features, model.classifier.out_features) == (24, 7)
+    # The body's own classifier is gone: parameters = body without it + head + new classifier.
+    expected = plain.num_parameters() - (d * 7 + 7) + (d * d + d) + (d * 24 + 24) + (24 * 7 + 7)
+    assert model.num_parameters() == expected
+    x = batch(shape, 3)
+    feats = model.extract(x)
+    l1, l2 = model.projection[0], model.projection[2]
+    by_hand = torch.relu(model.body.extract(x) @ l1.weight.T + l1.bias) @ l2.weight.T + l2.bias
+    torch.testing.assert_close(feats, by_hand)
+    torch.testing.assert_close(model(x), feats @ model.classifier.weight.T + model.classifier.bias)
+    nn.functional.cross_entropy(model(x), torch.tensor([0, 1, 2])).backward()
+    for pname, p in model.named_parameters():
+        assert p.grad is not None and p.grad.abs().sum() > 0, pname
+
+
+def test_projection_head_builds_identically_from_one_seed():
+    from fedistill.models.flat import get_flat
+
+    a, b = make("digits_cnn", (1, 8, 8), projection_dim=256), make("digits_cnn", (1, 8, 8), projection_dim=256)
+    assert torch.equal(get_flat(a), get_flat(b))
+
+
+@pytest.mark.parametrize("bad", [0, -3, True, 2.5, "256", [256]])
+def test_projection_dim_must_be_a_positive_int(bad):
+    with pytest.raises(ConfigError, match="projection_dim"):
+        build_model("digits_cnn", (1, 8, 8), 10, projection_dim=bad)

@@ -3,6 +3,14 @@
 Client loss ``CE − ⟨g_k, w⟩ + (α/2)||w − w_anchor||²`` with a persistent linear term ``g_k``, refreshed after
 training as ``g_k ← g_k − α (w_k − w_anchor)``. The server keeps ``h ← h − (α/K) Σ_k (w_k − w_anchor)`` and sets
 ``w_g = mean_k w_k − h/α`` (card §3). Trainable parameters only; BatchNorm statistics are averaged plainly.
+
+``adaptive_alpha=True`` reproduces the official code's per-client coefficient (card §3 and ambiguity 2):
+client k uses ``α_k = α·N/(n_k·K)`` (``N = Σ_all n_j``) in its loss and in its ``g_k`` update. The server
+computes ``α_k`` from the population's sizes (``ServerContext.client_num_samples``) and sends it with the
+weights. The server update stays as above with the global α: the official server adds the plain mean of the
+clients' accumulated drifts, ``(1/K) Σ_all Σ_t (w_k − w_anchor)``, which is exactly ``−h/α`` whatever the α_k,
+so with the flag on ``h/α == (1/K) Σ_k g_k/α_k`` replaces the invariant ``h == (1/K) Σ_k g_k``. The official
+code's gradient clipping (norm 10, in all its methods) is not tied to this flag: set ``grad_clip: 10``.
 """
 
 from __future__ import annotations
@@ -12,6 +20,7 @@ from typing import Any, Literal
 import torch
 from pydantic import Field
 
+from ..errors import ConfigError
 from ..losses import dynamic_regulariser
 from ..models.flat import flat_parameters, trainable_mask, trainable_parameters
 from ..registry import ALGORITHMS
@@ -23,6 +32,22 @@ from .local import ExtraLoss, LocalResult
 class FedDynParams(FedAvgParams):
     alpha: float = Field(0.1, gt=0.0, description="α (Lee-Gihun/FedNTD default); 0 would divide by zero")
     weighting: Literal["samples", "uniform"] = Field("uniform", description="mean over S_t (card ambiguity 1)")
+    adaptive_alpha: bool = Field(
+        False,
+        description="per-client α_k = α·N/(n_k·K) of the official code (card §3 and ambiguity 2); "
+        "needs the server to know every client's n_j",
+    )
+
+
+def client_alpha(alpha: float, client_num_samples: tuple[int, ...], cid: int) -> float:
+    """``α_k = α·N/(n_k·K)`` with ``N = Σ_j n_j`` over all K clients (official ``alpha / weight_list[k]``).
+
+    A client without data never takes a step, so its coefficient is irrelevant; it gets α.
+    """
+    n_k = int(client_num_samples[cid])
+    if n_k <= 0:
+        return float(alpha)
+    return float(alpha) * sum(int(n) for n in client_num_samples) / (n_k * len(client_num_samples))
 
 
 @ALGORITHMS.register("feddyn")
@@ -33,22 +58,37 @@ class FedDyn(FedAvg):
     Params = FedDynParams
 
     # -- client ---------------------------------------------------------------------------------
+    def _alpha(self, msg: Message) -> float:
+        # α_k travels with the weights when adaptive (the client does not know the population); else α.
+        return float(msg["feddyn_alpha"]) if self.params.adaptive_alpha else self.params.alpha
+
     def extra_loss(self, client: ClientContext, msg: Message) -> ExtraLoss:
         params = trainable_parameters(client.model)
         anchors = [p.detach().clone() for p in params]
         g = client.state.setdefault("feddyn_g", torch.zeros(sum(p.numel() for p in params)))
         g_pieces = [piece.view_as(p).to(p.device) for piece, p in zip(g.split([p.numel() for p in params]), params)]
-        alpha = self.params.alpha
+        alpha = self._alpha(msg)
 
         return lambda model, x, y, logits, features: dynamic_regulariser(params, anchors, g_pieces, alpha)
 
     def reply_extras(self, client: ClientContext, info: RoundInfo, msg: Message, result: LocalResult) -> dict[str, Any]:
         anchor = msg["weights"][trainable_mask(client.model)]  # the broadcast trainable weights
         drift = flat_parameters(client.model).double() - anchor.double()
-        client.state["feddyn_g"] = (client.state["feddyn_g"].double() - self.params.alpha * drift).float()
+        client.state["feddyn_g"] = (client.state["feddyn_g"].double() - self._alpha(msg) * drift).float()
         return {}
 
     # -- server ---------------------------------------------------------------------------------
+    def broadcast_extras(self, server: ServerContext, info: RoundInfo, cid: int) -> dict[str, Any]:
+        if not self.params.adaptive_alpha:
+            return {}
+        sizes = server.client_num_samples
+        if sizes is None or len(sizes) != server.num_clients:
+            raise ConfigError(
+                "algorithm.adaptive_alpha: FedDyn's α_k = α·N/(n_k·K) needs every client's sample count on the "
+                "server (ServerContext.client_num_samples), and this deployment does not provide it"
+            )
+        return {"feddyn_alpha": client_alpha(self.params.alpha, sizes, cid)}
+
     def adjust_combined(
         self, server: ServerContext, global_vec: torch.Tensor, combined: torch.Tensor, replies: list[Message]
     ) -> torch.Tensor:

@@ -5,14 +5,22 @@ each client's change by its effective number of steps ``a_k`` (momentum-aware), 
 directions and rescales by ``τ_eff = Σ p_k a_k``, so clients that ran more steps no longer dominate (card §3):
 
     w_g ← w_g − τ_eff · Σ_k p_k (w_g − w_k) / a_k
+
+Optional ``ccvr="fedntd_quirk"`` (card §3 "Optional variant", ambiguity 1; off by default): the reference
+code's cross-client variance reduction as it actually runs. Every local gradient is shifted by
+``c_k = d̄ − d_k^prev`` where ``d̄`` is never updated (≡ 0), so ``g ← g − d_k^prev`` with
+``d_k = (w_g − w_k) / (η_t a_k)`` stored by client k after each participation (zero before its first).
+``d_k^prev`` is client state over the trainable parameters; it is checkpointed like SCAFFOLD's ``c_k``.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable, Literal
 
 import torch
+from pydantic import Field
 
+from ..models.flat import flat_parameters, trainable_mask, trainable_parameters
 from ..registry import ALGORITHMS
 from .aggregate import aggregation_weights
 from .base import ClientContext, Message, RoundInfo
@@ -24,14 +32,43 @@ from .local import LocalResult, effective_local_steps
 nova_normaliser = effective_local_steps
 
 
+class FedNovaParams(FedAvgParams):
+    ccvr: Literal["none", "fedntd_quirk"] = Field(
+        "none",
+        description="fedntd_quirk: shift every local gradient by −d_k^prev as the reference code does "
+        "(card §3 'Optional variant' and ambiguity 1; not part of published FedNova)",
+    )
+
+
 @ALGORITHMS.register("fednova")
 class FedNova(FedAvg):
     """FedNova: FedAvg whose aggregation normalises each client's update by its local steps."""
 
     name = "fednova"
-    Params = FedAvgParams
+    Params = FedNovaParams
+
+    def grad_correction(self, client: ClientContext, msg: Message) -> Callable[[torch.nn.Module], None] | None:
+        d_prev = client.state.get("fednova_d") if self.params.ccvr == "fedntd_quirk" else None
+        if d_prev is None:  # ccvr off, or the client's first participation: the shift is zero (card ambiguity 1)
+            return None
+        params = trainable_parameters(client.model)
+        pieces = [d.view_as(p).to(p.device) for d, p in zip(d_prev.split([p.numel() for p in params]), params)]
+
+        def shift(model: torch.nn.Module) -> None:
+            # g ← g + (d̄ − d_k^prev) with d̄ ≡ 0 in the reference code; weight decay and momentum follow.
+            for p, d in zip(params, pieces):
+                if p.grad is not None:
+                    p.grad.sub_(d)
+
+        return shift
 
     def reply_extras(self, client: ClientContext, info: RoundInfo, msg: Message, result: LocalResult) -> dict[str, Any]:
+        if self.params.ccvr == "fedntd_quirk" and result.steps > 0 and info.lr > 0:
+            # d_k = (w_g − w_k) / (η_t a_k) over the trainable parameters (card §3); with no step taken
+            # the previous d_k is kept, since nothing was learnt to replace it (and η_t = 0 would divide by 0).
+            a_k = nova_normaliser(result.steps, self.local.momentum)
+            drift = msg["weights"][trainable_mask(client.model)].double() - flat_parameters(client.model).double()
+            client.state["fednova_d"] = (drift / (info.lr * a_k)).float()
         # Counted steps, not planned ones (card ambiguity 2); the normaliser is computed on the server.
         return {"local_steps": result.steps}
 

@@ -2,10 +2,18 @@
 
 FedAvg plus one local loss term: ``(μ/2) Σ ||P − P_anchor||²`` pulls every trainable tensor back toward the
 weights the client received this round (card §3). Server, sampling and aggregation are FedAvg's.
+
+``implementation="grad_hook"`` is the equivalent form the card names in §3 "Numerics" (tested in §7): no
+loss term, and ``μ (P − P_anchor)`` is added to ``.grad`` right before the optimizer step through the
+``grad_correction`` hook. It gives the same weights up to float rounding; its reported ``train_loss`` is the
+CE alone, since the penalty is never evaluated.
 """
 
 from __future__ import annotations
 
+from typing import Callable, Literal
+
+import torch
 from pydantic import Field
 
 from ..losses import proximal_term
@@ -17,6 +25,11 @@ from .local import ExtraLoss
 
 class FedProxParams(FedAvgParams):
     mu: float = Field(0.5, ge=0.0, description="proximal coefficient μ (FedLMD Table 6 uses 0.5 everywhere)")
+    implementation: Literal["loss", "grad_hook"] = Field(
+        "loss",
+        description="loss: (μ/2)||w − w_anchor||² in the loss; grad_hook: μ(w − w_anchor) added to .grad before "
+        "the step (card §3 'Numerics'; §7: both give the same weights)",
+    )
 
 
 @ALGORITHMS.register("fedprox")
@@ -26,10 +39,34 @@ class FedProx(FedAvg):
     name = "fedprox"
     Params = FedProxParams
 
-    def extra_loss(self, client: ClientContext, msg: Message) -> ExtraLoss:
+    @staticmethod
+    def _anchored(client: ClientContext) -> tuple[list[torch.nn.Parameter], list[torch.Tensor]]:
         params = [p for p in client.model.parameters() if p.requires_grad]
         # Detached copies of the received weights: the anchor never changes during the round (card §3;
         # ambiguity 1: trainable parameters only, not BatchNorm buffers).
-        anchors = [p.detach().clone() for p in params]
+        return params, [p.detach().clone() for p in params]
+
+    def extra_loss(self, client: ClientContext, msg: Message) -> ExtraLoss | None:
+        if self.params.implementation != "loss":
+            return None
+        params, anchors = self._anchored(client)
         mu = self.params.mu
         return lambda model, x, y, logits, features: proximal_term(params, anchors, mu)
+
+    def grad_correction(self, client: ClientContext, msg: Message) -> Callable[[torch.nn.Module], None] | None:
+        if self.params.implementation != "grad_hook":
+            return None
+        params, anchors = self._anchored(client)
+        mu = self.params.mu
+
+        @torch.no_grad()
+        def proximal_gradient(model: torch.nn.Module) -> None:
+            # The gradient of (μ/2)||P − P_anchor||², added where autograd would have added it (card §3);
+            # a tensor the forward did not use gets it alone, as it would from the loss term.
+            for p, a in zip(params, anchors):
+                if p.grad is None:
+                    p.grad = mu * (p - a)
+                else:
+                    p.grad.add_(p - a, alpha=mu)
+
+        return proximal_gradient

@@ -135,7 +135,14 @@ class ServerRuntime:
     the in-process simulation and a Flower deployment.
     """
 
-    def __init__(self, cfg: Config, dataset: Dataset, num_clients: int, run_dir: Path | None = None) -> None:
+    def __init__(
+        self,
+        cfg: Config,
+        dataset: Dataset,
+        num_clients: int,
+        run_dir: Path | None = None,
+        client_num_samples: tuple[int, ...] | None = None,
+    ) -> None:
         self.cfg = cfg
         self.run_dir = run_dir
         self.num_clients = num_clients
@@ -150,6 +157,7 @@ class ServerRuntime:
             num_classes=dataset.num_classes,
             device=self.device,
             num_clients=num_clients,
+            client_num_samples=client_num_samples,
         )
         self.state = RunState()
         self._store_ready = False
@@ -310,7 +318,8 @@ class Simulation:
         apply_process_settings(cfg)
         self.federation = federation or build_federation(cfg, dataset)
         fed = self.federation
-        self.server_runtime = ServerRuntime(cfg, dataset, fed.num_clients, run_dir)
+        sizes = tuple(int(ix.numel()) for ix in fed.train_indices)  # n_k of the population (FedDyn's α_k)
+        self.server_runtime = ServerRuntime(cfg, dataset, fed.num_clients, run_dir, client_num_samples=sizes)
         self.client_runtime = ClientRuntime(
             cfg,
             dataset,

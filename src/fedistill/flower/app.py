@@ -184,7 +184,10 @@ def run_server(grid: Grid, cfg: Config, settings: FlowerSettings) -> dict[str, A
         raise ConfigError("run config resume=true needs run-dir (the run directory to continue)")
     else:
         run_dir = RunDirectory.create(cfg.run.out_dir, cfg.run.name, f"{cfg.algorithm.display_name()}-{cfg.dataset.name}-flower")
-    runtime = ServerRuntime(cfg, dataset, num_clients, run_dir.path)
+    # Client sizes from the server's copy of the partition (exact with partition-id nodes; with node-local
+    # data-dir files the server does not know them, so FedDyn's adaptive α_k uses the partition's sizes).
+    sizes = tuple(int(ix.numel()) for ix in federation.train_indices)
+    runtime = ServerRuntime(cfg, dataset, num_clients, run_dir.path, client_num_samples=sizes)
     if settings.resume:
         runtime.restore()
         run_dir.rewrite_metrics(runtime.state.history)  # drop rows written after the checkpoint

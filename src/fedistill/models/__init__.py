@@ -3,13 +3,14 @@
 Registered names: ``cnn`` (FedAvg/FedNTD/FedLMD CNN), ``digits_cnn`` (tiny CNN for 8x8 digits), ``mlp``
 (2NN), ``resnet8`` (CIFAR-style), ``resnet18`` (cifar or imagenet stem). Create one with
 :func:`build_model`; every model is a :class:`ClassifierModel` (``extract`` -> features, ``classify`` ->
-logits).
+logits). Any of them takes ``projection_dim`` for MOON's projection head (:class:`ProjectedClassifier`).
 """
 
 from . import cnn, mlp, resnet  # noqa: F401  (imported for their registrations)
 from .base import ClassifierModel
 from .cnn import DigitsCNN, FedAvgNet
 from .mlp import MLP
+from .projection import ProjectedClassifier, has_projection_head
 from .registry import build_model, model_options
 from .resnet import BasicBlock, ResNet
 
@@ -19,7 +20,9 @@ __all__ = [
     "DigitsCNN",
     "FedAvgNet",
     "MLP",
+    "ProjectedClassifier",
     "ResNet",
     "build_model",
+    "has_projection_head",
     "model_options",
 ]

@@ -5,6 +5,9 @@ Every factory registered in :data:`fedistill.registry.MODELS` has the signature
 :func:`build_model` resolves the name (an unknown one is a :class:`~fedistill.errors.ConfigError` that
 lists the choices) and checks the options before calling, so a typo in ``model.<option>`` is reported
 with the accepted names instead of a TypeError.
+
+One option is accepted by every model: ``projection_dim`` (default None) adds MOON's projection head
+between the features and the classifier (:mod:`.projection`; spec/moon.md ambiguity 1).
 """
 
 from __future__ import annotations
@@ -16,8 +19,11 @@ from typing import Any, Sequence
 from ..errors import ConfigError
 from ..registry import MODELS
 from .base import ClassifierModel
+from .projection import ProjectedClassifier
 
 _POSITIONAL = ("input_shape", "num_classes")
+# Options that build_model handles for every model (name -> default), on top of the factory's own.
+COMMON_OPTIONS: dict[str, Any] = {"projection_dim": None}
 
 
 def _options(fn: Any) -> tuple[dict[str, Any], bool]:
@@ -35,7 +41,7 @@ def _options(fn: Any) -> tuple[dict[str, Any], bool]:
 
 def model_options(name: str) -> dict[str, Any]:
     """The keyword options model ``name`` accepts, with their defaults (for ``fedistill list`` and docs)."""
-    return _options(MODELS.get(name, key="model.name"))[0]
+    return {**_options(MODELS.get(name, key="model.name"))[0], **COMMON_OPTIONS}
 
 
 def build_model(name: str, input_shape: Sequence[int], num_classes: int, /, **kwargs: Any) -> ClassifierModel:
@@ -46,7 +52,12 @@ def build_model(name: str, input_shape: Sequence[int], num_classes: int, /, **kw
     """
     fn = MODELS.get(name, key="model.name")
     opts, var_kw = _options(fn)
-    accepted = ", ".join(sorted(opts)) or "none"
+    accepted = ", ".join(sorted({**opts, **COMMON_OPTIONS}))
+    projection_dim = kwargs.pop("projection_dim", None)
+    if projection_dim is not None and (
+        not isinstance(projection_dim, int) or isinstance(projection_dim, bool) or projection_dim < 1
+    ):
+        raise ConfigError(f"model {name!r}: projection_dim must be a positive integer or null, got {projection_dim!r}")
     for key in kwargs:
         if key in _POSITIONAL:
             raise ConfigError(
@@ -66,4 +77,7 @@ def build_model(name: str, input_shape: Sequence[int], num_classes: int, /, **kw
         ) from None
     if not isinstance(model, ClassifierModel):  # a registration bug, not a user error
         raise TypeError(f"model factory {name!r} returned {type(model).__name__}, not a ClassifierModel")
+    if projection_dim is not None:
+        # Built right after the body from the same (seeded) random stream, so server and clients agree.
+        model = ProjectedClassifier(model, projection_dim)
     return model
