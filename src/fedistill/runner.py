@@ -12,7 +12,7 @@ from rich.table import Table
 
 from .config import Config
 from .errors import TrainingDiverged
-from .report.plots import plot_accuracy, plot_partition
+from .report.plots import plot_accuracy, plot_class_distributions, plot_partition
 from .report.rundir import RunDirectory, read_run
 
 
@@ -112,6 +112,7 @@ def run_experiment(
     run_dir.write_summary(summary)
     curve = [(r["round"], r["test_accuracy"]) for r in history if r.get("test_accuracy") is not None]
     plot_accuracy({cfg.algorithm.display_name(): curve}, run_dir.path / "accuracy.png", cfg.eval.target_accuracy)
+    plot_class_distributions({cfg.algorithm.display_name(): history}, run_dir.path / "class_distributions.png")
     print_summary(console, {run_dir.path.name: summary})
     return summary
 
@@ -146,6 +147,7 @@ def compare_runs(paths: list[str], out: Path | None = None, target: float | None
     console = console or make_console()
     summaries: dict[str, dict[str, Any]] = {}
     curves: dict[str, list[tuple[int, float]]] = {}
+    histories: dict[str, list[dict[str, Any]]] = {}
     for p in paths:
         path = Path(p)
         config, rows, summary = read_run(path)
@@ -155,10 +157,14 @@ def compare_runs(paths: list[str], out: Path | None = None, target: float | None
             name = str(path)
         summaries[name] = summarise(rows, goal)  # recomputed so that a common --target applies to all
         curves[name] = [(r["round"], r["test_accuracy"]) for r in rows if r.get("test_accuracy") is not None]
+        histories[name] = rows
     print_summary(console, summaries)
     out = out or Path("compare.png")
     plot_accuracy(curves, out, target)
     console.print(f"curves: {out}")
+    distributions = out.with_name(f"{out.stem}_class_distributions{out.suffix or '.png'}")
+    if plot_class_distributions(histories, distributions):
+        console.print(f"class distributions per round (training labels, test predictions): {distributions}")
 
 
 def show_partition(args: argparse.Namespace, console: Console | None = None) -> None:

@@ -9,7 +9,7 @@ loss term such as FedProx's proximal term) and/or ``logit_transform``; the loop 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterable
+from typing import Callable, Iterable, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -101,21 +101,31 @@ def local_sgd(
     return LocalResult(steps=steps, samples_seen=seen, mean_loss=mean_loss)
 
 
+class Evaluation(NamedTuple):
+    accuracy: float  # top-1, as a fraction
+    loss: float  # mean cross-entropy
+    predictions: torch.Tensor  # (C,) int64: how often each class was predicted (FedLMD Fig. 2 diagnostic)
+
+
 @torch.inference_mode()
 def evaluate(
     model: nn.Module, batches: Iterable[tuple[torch.Tensor, torch.Tensor]], precision: str = "fp32"
-) -> tuple[float, float]:
-    """Top-1 accuracy (fraction) and mean cross-entropy of ``model`` over normalised ``(x, y)`` batches."""
+) -> Evaluation:
+    """Top-1 accuracy, mean cross-entropy and the predicted-class histogram of ``model`` over ``(x, y)`` batches."""
     model.eval()
     correct = torch.zeros((), dtype=torch.int64)
     loss_sum = torch.zeros((), dtype=torch.float64)
+    predicted: torch.Tensor | None = None
     n = 0
     for xb, yb in batches:
         with autocast_context(precision, xb.device):
             logits = model(xb).float()
         loss_sum += F.cross_entropy(logits, yb, reduction="sum").double().cpu()
-        correct += (logits.argmax(1) == yb).sum().cpu()
+        guesses = logits.argmax(1)
+        correct += (guesses == yb).sum().cpu()
+        counts = torch.bincount(guesses, minlength=logits.shape[1]).cpu()
+        predicted = counts if predicted is None else predicted + counts
         n += yb.shape[0]
-    if n == 0:
+    if n == 0 or predicted is None:
         raise ValueError("evaluate: no samples")
-    return float(correct) / n, float(loss_sum) / n
+    return Evaluation(float(correct) / n, float(loss_sum) / n, predicted)

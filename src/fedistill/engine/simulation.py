@@ -128,6 +128,13 @@ def apply_process_settings(cfg: Config) -> None:
         keep_freed_memory_in_heap()
 
 
+def kl_from_uniform(counts: torch.Tensor) -> float:
+    """``KL(p || uniform) = log C + Σ p log p`` of a histogram (0 = perfectly balanced; FedLMD §6.1 metric)."""
+    p = counts.double() / counts.sum().clamp_min(1)
+    nonzero = p[p > 0]
+    return float(np.log(p.numel()) + (nonzero * nonzero.log()).sum())
+
+
 class ServerRuntime:
     """The server half of a round: sampling, broadcast, aggregation, evaluation, metrics, checkpoints.
 
@@ -208,14 +215,29 @@ class ServerRuntime:
         return self.algorithm.broadcast(self.server, info, cid)
 
     def evaluate_global(self) -> tuple[float, float]:
+        acc, loss, _ = self.evaluate_global_with_predictions()
+        return acc, loss
+
+    def evaluate_global_with_predictions(self) -> tuple[float, float, torch.Tensor]:
+        """Accuracy (%), loss and the global model's predicted-class histogram on the test set."""
         batches = self.test_pipeline.test_batches(self.cfg.eval.batch_size)
-        acc, loss = evaluate(self.server.model, batches, self.cfg.run.precision)
-        return 100.0 * acc, loss
+        result = evaluate(self.server.model, batches, self.cfg.run.precision)
+        return 100.0 * result.accuracy, result.loss, result.predictions
 
     def complete_round(
-        self, info: RoundInfo, replies: dict[int, Message], bytes_down: int, bytes_up: int, started: float
+        self,
+        info: RoundInfo,
+        replies: dict[int, Message],
+        bytes_down: int,
+        bytes_up: int,
+        started: float,
+        train_label_counts: list[int] | None = None,
     ) -> dict[str, Any]:
-        """Aggregate the replies (client-id order), check, evaluate, record and checkpoint the round."""
+        """Aggregate the replies (client-id order), check, evaluate, record and checkpoint the round.
+
+        ``train_label_counts`` (the round's clients' labels, summed) is known where the server holds the
+        partition (the simulation); with the predicted-class histogram it is FedLMD Fig. 2's diagnostic.
+        """
         train_seconds = time.perf_counter() - started
         replies = {cid: replies[cid] for cid in sorted(replies)}
         extra = self.algorithm.aggregate(self.server, info, replies)
@@ -245,7 +267,11 @@ class ServerRuntime:
         }
         eval_start = time.perf_counter()
         if rnd % self.cfg.eval.every == 0 or rnd == self.cfg.rounds:
-            row["test_accuracy"], row["test_loss"] = self.evaluate_global()
+            row["test_accuracy"], row["test_loss"], predictions = self.evaluate_global_with_predictions()
+            row["prediction_counts"] = [int(v) for v in predictions]
+            row["prediction_kl_uniform"] = kl_from_uniform(predictions)
+        if train_label_counts is not None:
+            row["train_label_counts"] = [int(v) for v in train_label_counts]
         row.update(extra)
         row["train_seconds"] = train_seconds  # broadcast + local updates (+ transport) of all clients
         row["eval_seconds"] = time.perf_counter() - eval_start
@@ -327,6 +353,7 @@ class Simulation:
             dict(enumerate(fed.test_indices)) if fed.test_indices is not None else None,
         )
         self.dataset = dataset
+        self._class_counts = fed.class_counts()  # client x class, for the per-round label diagnostic
         self._executor: SequentialExecutor | ProcessPoolExecutor | None = None
 
     @property
@@ -392,7 +419,8 @@ class Simulation:
             store.save(cid, state, rnd)
         bytes_down = sum(msg.nbytes() for _, _, msg, _ in tasks)
         bytes_up = sum(reply.nbytes() for reply in replies.values())
-        return self.server_runtime.complete_round(info, replies, bytes_down, bytes_up, started)
+        labels = self._class_counts[selected].sum(axis=0).tolist()
+        return self.server_runtime.complete_round(info, replies, bytes_down, bytes_up, started, train_label_counts=labels)
 
     def run(self, resume: bool = False) -> list[dict[str, Any]]:
         """Run (or continue) to ``cfg.rounds``; returns the per-round metric rows."""

@@ -169,7 +169,7 @@ def run_server(grid: Grid, cfg: Config, settings: FlowerSettings) -> dict[str, A
     """The round loop of a fedistill run on Flower; returns the summary (also written to summary.json)."""
     from ..engine.simulation import ServerRuntime, apply_process_settings, build_federation, round_info, summarise
     from ..models.flat import num_flat
-    from ..report.plots import plot_accuracy, plot_partition
+    from ..report.plots import plot_accuracy, plot_class_distributions, plot_partition
     from ..report.rundir import RunDirectory
     from ..runner import load_dataset_for
 
@@ -275,6 +275,7 @@ def run_server(grid: Grid, cfg: Config, settings: FlowerSettings) -> dict[str, A
     summary = finish("finished")
     curve = [(r["round"], r["test_accuracy"]) for r in runtime.state.history if r.get("test_accuracy") is not None]
     plot_accuracy({cfg.algorithm.display_name(): curve}, run_dir.path / "accuracy.png", cfg.eval.target_accuracy)
+    plot_class_distributions({cfg.algorithm.display_name(): runtime.state.history}, run_dir.path / "class_distributions.png")
     _say(f"finished: final accuracy {summary['final_accuracy']}, run directory {run_dir.path}")
     return summary
 

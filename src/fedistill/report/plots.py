@@ -55,3 +55,53 @@ def plot_partition(counts: np.ndarray, path: Path, title: str = "") -> None:
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
+
+
+def class_distribution_matrices(history: Sequence[dict]) -> dict[str, tuple[list[int], np.ndarray]]:
+    """Per kind (training labels of the round's clients, test predictions of the global model): the rounds
+    that have it and a rounds x classes matrix of proportions (each row sums to 1)."""
+    out = {}
+    for kind, key in (("training labels of the round's clients", "train_label_counts"), ("global model's test predictions", "prediction_counts")):
+        rows = [(r["round"], r[key]) for r in history if r.get(key) is not None]
+        if rows:
+            counts = np.array([c for _, c in rows], dtype=float)
+            out[kind] = ([rnd for rnd, _ in rows], counts / np.maximum(counts.sum(axis=1, keepdims=True), 1))
+    return out
+
+
+def plot_class_distributions(runs: dict[str, Sequence[dict]], path: Path) -> bool:
+    """FedLMD Fig. 2: for each run, two heatmaps (rounds x classes) of the class distribution of the round's
+    training labels and of the global model's test predictions. Returns False if no run has the data."""
+    panels = {name: class_distribution_matrices(history) for name, history in runs.items()}
+    panels = {name: p for name, p in panels.items() if p}
+    if not panels:
+        return False
+    plt = _pyplot()
+    from matplotlib.ticker import MaxNLocator
+
+    kinds = sorted({k for p in panels.values() for k in p}, reverse=True)  # training labels first
+    fig, axes = plt.subplots(
+        len(panels), len(kinds), figsize=(5.0 * len(kinds), 0.6 + 3.2 * len(panels)), dpi=110, squeeze=False
+    )
+    for i, (name, matrices) in enumerate(panels.items()):
+        for j, kind in enumerate(kinds):
+            ax = axes[i][j]
+            if kind not in matrices:
+                ax.set_axis_off()
+                continue
+            rounds, share = matrices[kind]
+            im = ax.imshow(
+                share, aspect="auto", cmap="magma", vmin=0, vmax=1, interpolation="nearest",
+                extent=(-0.5, share.shape[1] - 0.5, rounds[-1] + 0.5, rounds[0] - 0.5),
+            )  # fmt: skip
+            ax.set_title(f"{name}: {kind}", fontsize=8)
+            ax.set_xlabel("class")
+            ax.set_ylabel("round")
+            ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+            if share.shape[1] <= 20:
+                ax.set_xticks(range(share.shape[1]))
+            fig.colorbar(im, ax=ax, label="share of the round")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return True

@@ -74,7 +74,8 @@ class RunDirectory:
         _atomic_write(self.path / "metrics.jsonl", lines)
 
     def write_csv(self, history: list[dict[str, Any]]) -> None:
-        extra = sorted({k for row in history for k in row} - set(METRIC_COLUMNS))
+        # Per-class lists (the class-distribution diagnostic) go to class_distributions.csv instead.
+        extra = sorted({k for row in history for k, v in row.items() if not isinstance(v, list)} - set(METRIC_COLUMNS))
         columns = METRIC_COLUMNS + extra
         tmp = self.path / "metrics.csv.tmp"
         with open(tmp, "w", newline="") as f:
@@ -83,6 +84,23 @@ class RunDirectory:
             for row in history:
                 writer.writerow({k: ("" if row.get(k) is None else _clean(row.get(k))) for k in columns})
         os.replace(tmp, self.path / "metrics.csv")
+        self.write_class_distributions(history)
+
+    def write_class_distributions(self, history: list[dict[str, Any]]) -> None:
+        """``class_distributions.csv``: per round, the training labels of the round's clients and the global
+        model's test predictions, one row each, as counts per class (FedLMD Fig. 2)."""
+        rows = [
+            (r["round"], kind, r[key])
+            for r in history
+            for kind, key in (("train_labels", "train_label_counts"), ("predictions", "prediction_counts"))
+            if r.get(key) is not None
+        ]
+        if not rows:
+            return
+        classes = len(rows[0][2])
+        header = "round,kind," + ",".join(f"class_{c}" for c in range(classes)) + "\n"
+        body = "".join(f"{rnd},{kind}," + ",".join(str(int(v)) for v in counts) + "\n" for rnd, kind, counts in rows)
+        _atomic_write(self.path / "class_distributions.csv", header + body)
 
     def write_summary(self, summary: dict[str, Any]) -> None:
         _atomic_write(self.path / "summary.json", json.dumps({k: _clean(v) for k, v in summary.items()}, indent=2) + "\n")
