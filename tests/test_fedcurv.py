@@ -126,3 +126,36 @@ def test_fedcurv_runs_with_the_per_sample_fisher(make_config, digits):
     for u, v in zip(sim.server.state["fedcurv_u"].values(), sim.server.state["fedcurv_v"].values()):
         assert bool((u >= 0).all()) and float(u.max()) > 0 and torch.isfinite(v).all()
     assert sim.algorithm.params.fisher == "per_sample"
+
+
+# -- own_stats="client": the server keeps only the sums (card §2, compact) ----------------------------
+def test_client_kept_statistics_give_the_same_training_as_server_kept(make_config, digits):
+    common = {"algorithm.name": "fedcurv", "algorithm.lam": 50.0, "rounds": 4}
+    server = global_vectors(make_config(**common), digits, 4)
+    client = global_vectors(make_config(**common, **{"algorithm.own_stats": "client"}), digits, 4)
+    plain = global_vectors(make_config(rounds=4), digits, 4)
+    for a, b in zip(server, client):
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-6)
+    assert not torch.allclose(server[-1], plain[-1], atol=1e-4)  # the penalty did act
+
+
+def test_client_kept_statistics_keep_the_server_at_two_vectors(make_config, digits):
+    cfg = make_config(**{"algorithm.name": "fedcurv", "algorithm.own_stats": "client", "rounds": 3})
+    sim = Simulation(cfg, digits)
+    sim.run()
+    assert set(sim.server.state) == {"fedcurv_U", "fedcurv_V"}
+    # U is the sum of every client's latest u_k, which each client holds itself.
+    held = [s["fedcurv_u"].double() for s in sim.state.client_states.values()]
+    assert len(held) >= 3
+    assert torch.allclose(sim.server.state["fedcurv_U"], torch.stack(held).sum(0), atol=1e-9)
+    # Same bytes as the server-kept mode: 2|w| of statistics each way.
+    server_mode = Simulation(make_config(**{"algorithm.name": "fedcurv", "rounds": 1}), digits).run()[0]
+    client_mode = Simulation(make_config(**{"algorithm.name": "fedcurv", "algorithm.own_stats": "client", "rounds": 1}), digits).run()[0]
+    assert (server_mode["bytes_down"], server_mode["bytes_up"]) == (client_mode["bytes_down"], client_mode["bytes_up"])
+
+
+def test_client_kept_statistics_resume_exactly(digits, tmp_path):
+    assert_resume_is_exact(
+        digits, tmp_path, "fedcurv", server_keys=("fedcurv_U", "fedcurv_V"), client_keys=("fedcurv_u", "fedcurv_v"),
+        **{"algorithm.own_stats": "client"},
+    )  # fmt: skip

@@ -10,6 +10,14 @@ gradients. ``fisher="per_sample"`` is the true empirical Fisher the card offers 
 the mean over the same samples of each sample's squared gradient, computed batched with ``torch.func``
 (``vmap`` of ``grad`` of a ``functional_call``). It is larger by up to ~B on the gradient-noise part, so λ
 tuned for one does not carry over to the other.
+
+``own_stats="client"`` is the card's compact form (§2, "server memory ... or only U, V if clients subtract
+their own stats"): the server keeps only the float64 sums ``U, V`` instead of ``2|w|`` per client that ever
+uploaded (K = 100 MNIST-CNN clients: 1.3 GB), and each client keeps its own last ``(u_k, v_k)`` as client
+state (on disk with ``run.client_state=disk``). The server sends ``U, V``; the client forms ``P_k = U − u_k``
+and ``Q_k = V − v_k`` itself and uploads the changes ``Δu_k, Δv_k``, which the server adds to the sums. Same
+bytes each way; the sums are updated instead of recomputed, in float64, so the two modes agree to float32
+rounding (tested).
 """
 
 from __future__ import annotations
@@ -36,6 +44,11 @@ class FedCurvParams(FedAvgParams):
         "batch",
         description="diagonal Fisher estimator: mean of squared mini-batch gradients (reference code, λ tuned "
         "with it) or mean of per-sample squared gradients (true empirical Fisher); card ambiguity 3",
+    )
+    own_stats: Literal["server", "client"] = Field(
+        "server",
+        description="who keeps each client's last (u_k, v_k): the server (card pseudo-code, 2|w| per client) or "
+        "the client itself, the server keeping only the sums (card §2, compact)",
     )
 
 
@@ -120,12 +133,18 @@ class FedCurv(FedAvg):
     # -- server ---------------------------------------------------------------------------------
     def init_server(self, server: ServerContext) -> None:
         size = flat_parameters(server.model).numel()
+        if self.params.own_stats == "client":
+            server.state["fedcurv_U"] = torch.zeros(size, dtype=torch.float64)
+            server.state["fedcurv_V"] = torch.zeros(size, dtype=torch.float64)
+            return
         server.state["fedcurv_u"] = {}  # client -> latest u_k
         server.state["fedcurv_v"] = {}  # client -> latest v_k
         server.state["fedcurv_U"] = torch.zeros(size)
         server.state["fedcurv_V"] = torch.zeros(size)
 
     def broadcast_extras(self, server: ServerContext, info: RoundInfo, cid: int) -> dict[str, Any]:
+        if self.params.own_stats == "client":  # everyone's sums; the client subtracts its own
+            return {"fisher_sum_u": server.state["fedcurv_U"].float(), "fisher_sum_v": server.state["fedcurv_V"].float()}
         U, V = server.state["fedcurv_U"], server.state["fedcurv_V"]
         own_u, own_v = server.state["fedcurv_u"].get(cid), server.state["fedcurv_v"].get(cid)
         # New tensors per client: U and V are never modified here (card §4).
@@ -134,6 +153,11 @@ class FedCurv(FedAvg):
         return {"fisher_p": p, "fisher_q": q}
 
     def after_aggregate(self, server: ServerContext, info: RoundInfo, replies: list[Message], cids: list[int]) -> dict[str, float]:
+        if self.params.own_stats == "client":
+            for reply in replies:
+                server.state["fedcurv_U"] += reply["fisher_du"].double()
+                server.state["fedcurv_V"] += reply["fisher_dv"].double()
+            return {}
         for cid, reply in zip(cids, replies):
             server.state["fedcurv_u"][cid] = reply["fisher_u"]
             server.state["fedcurv_v"][cid] = reply["fisher_v"]
@@ -144,15 +168,32 @@ class FedCurv(FedAvg):
         return {}
 
     # -- client ---------------------------------------------------------------------------------
+    def _others(self, client: ClientContext, msg: Message) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(P_k, Q_k)``: the other clients' summed statistics (card §3)."""
+        if self.params.own_stats == "server":
+            return msg["fisher_p"], msg["fisher_q"]
+        own_u, own_v = client.state.get("fedcurv_u"), client.state.get("fedcurv_v")
+        if own_u is None:
+            return msg["fisher_sum_u"].clone(), msg["fisher_sum_v"].clone()
+        return msg["fisher_sum_u"] - own_u, msg["fisher_sum_v"] - own_v
+
     def extra_loss(self, client: ClientContext, msg: Message) -> ExtraLoss:
         params = trainable_parameters(client.model)
         sizes = [p.numel() for p in params]
-        p_sum = [t.view_as(p).to(p.device) for t, p in zip(msg["fisher_p"].split(sizes), params)]
-        q_sum = [t.view_as(p).to(p.device) for t, p in zip(msg["fisher_q"].split(sizes), params)]
+        others_u, others_v = self._others(client, msg)
+        p_sum = [t.view_as(p).to(p.device) for t, p in zip(others_u.split(sizes), params)]
+        q_sum = [t.view_as(p).to(p.device) for t, p in zip(others_v.split(sizes), params)]
         lam = self.params.lam
         return lambda model, x, y, logits, features: curvature_penalty(params, p_sum, q_sum, lam)
 
     def reply_extras(self, client: ClientContext, info: RoundInfo, msg: Message, result: LocalResult) -> dict[str, Any]:
         # After training, so the Fisher pass cannot change the training batches (card §7).
         u, _ = fisher_diagonal(client, self.local.batch_size, self.params.fisher_samples, self.params.fisher)
-        return {"fisher_u": u, "fisher_v": u * flat_parameters(client.model)}
+        v = u * flat_parameters(client.model)
+        if self.params.own_stats == "server":
+            return {"fisher_u": u, "fisher_v": v}
+        old_u, old_v = client.state.get("fedcurv_u"), client.state.get("fedcurv_v")
+        client.state["fedcurv_u"], client.state["fedcurv_v"] = u, v
+        if old_u is None:
+            return {"fisher_du": u.clone(), "fisher_dv": v.clone()}
+        return {"fisher_du": u - old_u, "fisher_dv": v - old_v}
