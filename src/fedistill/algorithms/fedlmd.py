@@ -14,42 +14,17 @@ and FedAvg+LS (``fedavg_ls``: label smoothing 0.1); FedNTD-Tf is ``fedntd`` with
 
 from __future__ import annotations
 
-import copy
 from typing import Literal
 
 import torch
 from pydantic import Field
 
 from ..losses import knowledge_distillation, label_masking_distillation, label_smoothing_term, majority_labels
-from ..models.flat import set_flat
 from ..registry import ALGORITHMS
 from .base import ClientContext, Message
 from .fedavg import FedAvg, FedAvgParams
 from .local import ExtraLoss
-
-
-class GlobalTeacher:
-    """One frozen teacher module per process, reloaded from each round's broadcast (card §2).
-
-    A deep copy of the worker model is made once, on first use, and then only overwritten with ``set_flat``:
-    never a copy per client or per batch. Its forward runs in eval mode under inference mode (no autograd
-    graph, no saved activations); the logits are cloned out so the loss may use them in autograd.
-    """
-
-    def __init__(self) -> None:
-        self._model: torch.nn.Module | None = None
-
-    def load(self, client: ClientContext, weights: torch.Tensor) -> torch.nn.Module:
-        if self._model is None:
-            self._model = copy.deepcopy(client.model).requires_grad_(False)
-        set_flat(self._model, weights)
-        return self._model.eval()
-
-    @staticmethod
-    def logits(teacher: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-        with torch.inference_mode():
-            out = teacher(x)
-        return out.clone()
+from .teacher import GlobalTeacher
 
 
 class FedLMDParams(FedAvgParams):

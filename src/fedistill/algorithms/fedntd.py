@@ -7,17 +7,14 @@ weights of the round (card §3); server and aggregation are FedAvg's. ``teacher_
 
 from __future__ import annotations
 
-import copy
-
-import torch
 from pydantic import Field
 
 from ..losses import not_true_distillation
-from ..models.flat import set_flat
 from ..registry import ALGORITHMS
 from .base import ClientContext, Message
 from .fedavg import FedAvg, FedAvgParams
 from .local import ExtraLoss
+from .teacher import GlobalTeacher
 
 
 class FedNTDParams(FedAvgParams):
@@ -33,23 +30,16 @@ class FedNTD(FedAvg):
     name = "fedntd"
     Params = FedNTDParams
 
-    def _teacher(self, client: ClientContext, weights: torch.Tensor) -> torch.nn.Module:
-        # One teacher module per process, reloaded each round from the broadcast (never a copy per client).
-        if getattr(self, "_teacher_model", None) is None:
-            self._teacher_model = copy.deepcopy(client.model)
-            self._teacher_model.requires_grad_(False)
-        set_flat(self._teacher_model, weights)
-        return self._teacher_model.eval()
+    def __init__(self, params, local) -> None:
+        super().__init__(params, local)
+        self._teacher = GlobalTeacher()
 
     def extra_loss(self, client: ClientContext, msg: Message) -> ExtraLoss:
         beta, tau = self.params.beta, self.params.tau
-        teacher = None if self.params.teacher_free else self._teacher(client, msg["weights"])
+        teacher = None if self.params.teacher_free else self._teacher.load(client, msg["weights"])
 
         def ntd(model, x, y, logits, features):
-            if teacher is None:
-                return beta * not_true_distillation(logits, None, y, tau)
-            with torch.no_grad():
-                teacher_logits = teacher(x)
+            teacher_logits = None if teacher is None else GlobalTeacher.logits(teacher, x)
             return beta * not_true_distillation(logits, teacher_logits, y, tau)
 
         return ntd
