@@ -328,12 +328,20 @@ def test_client_with_its_own_data_dir_trains_on_its_whole_local_split(tmp_path, 
     assert not torch.equal(reply["weights"], start)
 
 
-def test_stateful_algorithms_keep_client_state_in_context_state(tmp_path, keep_threads, task_identity):
-    """SCAFFOLD's c_k and MOON's previous model live in each node's context.state between rounds."""
-    for algorithm in ("scaffold", "moon"):
-        cfg = flower_config(rounds=3, algorithm=algorithm)
-        expected, _ = simulate(cfg)
-        run = tmp_path / algorithm
-        grid = FakeGrid(cfg, nodes_for(3))
-        assert flower_app.run_server(grid, cfg, FlowerSettings(run_dir=str(run), round_timeout=5))["status"] == "finished"
-        assert torch.allclose(checkpoint_flat(cfg, run), expected, atol=1e-6), algorithm
+@pytest.mark.parametrize(
+    "algorithm",
+    [
+        {"name": "scaffold"},
+        {"name": "moon"},
+        # the Tf -> LMD switch reads the round on the client; a combination sends every part's fields
+        {"name": "fedlmd", "switch_round": 1, "plus": {"fedcurv": {"own_stats": "client"}, "fedavgm": {}}},
+    ],
+)
+def test_stateful_algorithms_keep_client_state_in_context_state(tmp_path, keep_threads, task_identity, algorithm):
+    """SCAFFOLD's c_k, MOON's previous model, FedCurv's own statistics live in each node's context.state."""
+    cfg = flower_config(rounds=3, algorithm=algorithm)
+    expected, _ = simulate(cfg)
+    run = tmp_path / "run"
+    grid = FakeGrid(cfg, nodes_for(3))
+    assert flower_app.run_server(grid, cfg, FlowerSettings(run_dir=str(run), round_timeout=5))["status"] == "finished"
+    assert torch.allclose(checkpoint_flat(cfg, run), expected, atol=1e-6), algorithm
