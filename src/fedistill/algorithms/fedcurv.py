@@ -30,7 +30,7 @@ from pydantic import Field
 from torch.func import functional_call, grad, vmap
 
 from ..losses import curvature_penalty
-from ..models.flat import flat_parameters, trainable_parameters
+from ..models.flat import flat_parameters, split_like, trainable_parameters
 from ..registry import ALGORITHMS
 from .base import ClientContext, Message, RoundInfo, ServerContext
 from .fedavg import FedAvg, FedAvgParams
@@ -179,10 +179,8 @@ class FedCurv(FedAvg):
 
     def extra_loss(self, client: ClientContext, msg: Message) -> ExtraLoss:
         params = trainable_parameters(client.model)
-        sizes = [p.numel() for p in params]
         others_u, others_v = self._others(client, msg)
-        p_sum = [t.view_as(p).to(p.device) for t, p in zip(others_u.split(sizes), params)]
-        q_sum = [t.view_as(p).to(p.device) for t, p in zip(others_v.split(sizes), params)]
+        p_sum, q_sum = split_like(others_u, params), split_like(others_v, params)
         lam = self.params.lam
         return lambda model, x, y, logits, features: curvature_penalty(params, p_sum, q_sum, lam)
 

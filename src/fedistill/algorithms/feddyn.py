@@ -22,7 +22,7 @@ from pydantic import Field
 
 from ..errors import ConfigError
 from ..losses import dynamic_regulariser
-from ..models.flat import flat_parameters, trainable_mask, trainable_parameters
+from ..models.flat import flat_parameters, split_like, trainable_mask, trainable_parameters
 from ..registry import ALGORITHMS
 from .base import ClientContext, Message, RoundInfo, ServerContext
 from .fedavg import FedAvg, FedAvgParams
@@ -66,7 +66,7 @@ class FedDyn(FedAvg):
         params = trainable_parameters(client.model)
         anchors = [p.detach().clone() for p in params]
         g = client.state.setdefault("feddyn_g", torch.zeros(sum(p.numel() for p in params)))
-        g_pieces = [piece.view_as(p).to(p.device) for piece, p in zip(g.split([p.numel() for p in params]), params)]
+        g_pieces = split_like(g, params)
         alpha = self._alpha(msg)
 
         return lambda model, x, y, logits, features: dynamic_regulariser(params, anchors, g_pieces, alpha)

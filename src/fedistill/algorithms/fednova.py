@@ -20,7 +20,7 @@ from typing import Any, Callable, Literal
 import torch
 from pydantic import Field
 
-from ..models.flat import flat_parameters, trainable_mask, trainable_parameters
+from ..models.flat import add_to_gradients, flat_parameters, trainable_mask, trainable_parameters
 from ..registry import ALGORITHMS
 from .aggregate import aggregation_weights
 from .base import ClientContext, Message, RoundInfo
@@ -51,16 +51,8 @@ class FedNova(FedAvg):
         d_prev = client.state.get("fednova_d") if self.params.ccvr == "fedntd_quirk" else None
         if d_prev is None:  # ccvr off, or the client's first participation: the shift is zero (card ambiguity 1)
             return None
-        params = trainable_parameters(client.model)
-        pieces = [d.view_as(p).to(p.device) for d, p in zip(d_prev.split([p.numel() for p in params]), params)]
-
-        def shift(model: torch.nn.Module) -> None:
-            # g ← g + (d̄ − d_k^prev) with d̄ ≡ 0 in the reference code; weight decay and momentum follow.
-            for p, d in zip(params, pieces):
-                if p.grad is not None:
-                    p.grad.sub_(d)
-
-        return shift
+        # g ← g + (d̄ − d_k^prev) with d̄ ≡ 0 in the reference code; weight decay and momentum follow.
+        return add_to_gradients(trainable_parameters(client.model), d_prev, sign=-1.0)
 
     def reply_extras(self, client: ClientContext, info: RoundInfo, msg: Message, result: LocalResult) -> dict[str, Any]:
         if self.params.ccvr == "fedntd_quirk" and result.steps > 0 and info.lr > 0:

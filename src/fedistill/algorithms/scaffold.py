@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..models.flat import flat_parameters, trainable_mask, trainable_parameters
+from ..models.flat import add_to_gradients, flat_parameters, trainable_mask, trainable_parameters
 from ..registry import ALGORITHMS
 from .base import ClientContext, Message, RoundInfo, ServerContext
 from .fedavg import FedAvg, FedAvgParams
@@ -49,17 +49,9 @@ class Scaffold(FedAvg):
         return client.state["scaffold_c"]
 
     def grad_correction(self, client: ClientContext, msg: Message) -> Callable[[torch.nn.Module], None]:
-        params = trainable_parameters(client.model)
         correction = msg["control"] - self._client_control(client, int(msg["control"].numel()))
-        pieces = [c.view_as(p).to(p.device) for c, p in zip(correction.split([p.numel() for p in params]), params)]
-
-        def correct(model: torch.nn.Module) -> None:
-            # ĝ = g − c_k + c, then the optimizer adds weight decay and momentum as usual (card §3).
-            for p, c in zip(params, pieces):
-                if p.grad is not None:
-                    p.grad.add_(c)
-
-        return correct
+        # ĝ = g − c_k + c, then the optimizer adds weight decay and momentum as usual (card §3).
+        return add_to_gradients(trainable_parameters(client.model), correction)
 
     def reply_extras(self, client: ClientContext, info: RoundInfo, msg: Message, result: LocalResult) -> dict[str, Any]:
         c = msg["control"]

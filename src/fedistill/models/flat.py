@@ -54,3 +54,22 @@ def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
 def flat_parameters(model: nn.Module) -> torch.Tensor:
     """A new float32 CPU vector of the trainable parameters in ``model.parameters()`` order (no buffers)."""
     return torch.cat([p.detach().reshape(-1).float().cpu() for p in trainable_parameters(model)])
+
+
+def split_like(vector: torch.Tensor, params: list[torch.Tensor]) -> list[torch.Tensor]:
+    """A flat vector over ``params`` (as from :func:`flat_parameters`) cut into views shaped like each tensor,
+    on its device."""
+    return [piece.view_as(p).to(p.device) for piece, p in zip(vector.split([p.numel() for p in params]), params)]
+
+
+def add_to_gradients(params: list[torch.Tensor], vector: torch.Tensor, sign: float = 1.0):
+    """A ``before_step`` hook adding ``sign · vector`` (flat over ``params``) to their ``.grad`` (SCAFFOLD's
+    ``c − c_k``, FedNova's quirk shift); tensors without a gradient this step are left alone."""
+    pieces = split_like(vector, params)
+
+    def shift(model: nn.Module) -> None:
+        for p, piece in zip(params, pieces):
+            if p.grad is not None:
+                p.grad.add_(piece, alpha=sign)
+
+    return shift
