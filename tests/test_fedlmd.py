@@ -233,3 +233,21 @@ def test_fedlmd_learns_on_strongly_label_skewed_digits(digits, algorithm, make_c
 @pytest.mark.parametrize("algorithm", ["fedavg_kd", "fedavg_ls"])
 def test_ablations_learn(digits, algorithm):
     assert_learns(digits, algorithm)
+
+
+def test_one_frozen_teacher_per_process_reloaded_each_round(make_config, digits):
+    from fedistill.models.flat import get_flat
+
+    sim = Simulation(make_config(algorithm="fedlmd", rounds=2), digits)
+    algorithm = sim.client_runtime.algorithm
+    sim.run_round(1)
+    teacher = algorithm._teacher._model
+    assert teacher is not None and teacher is not sim.client_runtime.worker
+    assert not any(p.requires_grad for p in teacher.parameters()) and not teacher.training
+    before = get_flat(sim.server.model)
+    sim.run_round(2)
+    assert algorithm._teacher._model is teacher  # the same module, not a copy per client or batch
+    assert torch.equal(get_flat(teacher), before)  # holding round 2's broadcast (the last client's)
+    x = (digits.test_x[:4].float() / 255 - 0.3) / 0.4
+    out = algorithm._teacher.logits(teacher, x)
+    assert not out.requires_grad and not out.is_inference()  # usable inside the student's autograd graph
