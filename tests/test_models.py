@@ -14,7 +14,7 @@ from fedistill.errors import ConfigError
 from fedistill.models import ClassifierModel, build_model, model_options
 from fedistill.registry import MODELS
 
-ZOO = ["cnn", "digits_cnn", "mlp", "resnet8", "resnet18"]
+ZOO = ["cnn", "digits_cnn", "mlp", "resnet8", "resnet18", "mobilenet_v2"]
 SHAPES = [(1, 8, 8), (1, 28, 28), (3, 32, 32)]
 
 
@@ -275,3 +275,29 @@ def test_projection_head_builds_identically_from_one_seed():
 def test_projection_dim_must_be_a_positive_int(bad):
     with pytest.raises(ConfigError, match="projection_dim"):
         build_model("digits_cnn", (1, 8, 8), 10, projection_dim=bad)
+
+
+# -- MobileNetV2 (FedLMD Table 4's "MobileNet") ----------------------------------------------------------
+def test_mobilenet_v2_has_the_published_parameter_count():
+    # torchvision documents 3,504,872 parameters for MobileNetV2 with 1000 classes; the strides of our
+    # CIFAR stem do not change the count, and 10 classes remove 1280·990 + 990 classifier weights.
+    assert build_model("mobilenet_v2", (3, 224, 224), 1000, stem="imagenet").num_parameters() == 3_504_872
+    assert build_model("mobilenet_v2", (3, 32, 32), 10).num_parameters() == 3_504_872 - 1280 * 990 - 990
+
+
+def test_mobilenet_v2_cifar_stem_keeps_a_4x4_map_and_residuals_where_shapes_allow():
+    from fedistill.models.mobilenet import InvertedResidual
+
+    model = make("mobilenet_v2", (3, 32, 32))
+    x = batch((3, 32, 32))
+    assert model.head(model.blocks(model.stem(x))).shape == (2, 1280, 4, 4)
+    imagenet = make("mobilenet_v2", (3, 32, 32), stem="imagenet")
+    assert imagenet.head(imagenet.blocks(imagenet.stem(x))).shape == (2, 1280, 1, 1)
+    blocks = [b for b in model.blocks if isinstance(b, InvertedResidual)]
+    assert len(blocks) == 17 and sum(b.residual for b in blocks) == 10  # n−1 repeats per stage: 0+1+2+3+2+2+0
+
+
+@pytest.mark.parametrize("kwargs", [{"width": 0}, {"width": "wide"}, {"stem": "tiny"}])
+def test_mobilenet_v2_rejects_bad_options(kwargs):
+    with pytest.raises(ConfigError, match="mobilenet_v2"):
+        build_model("mobilenet_v2", (3, 32, 32), 10, **kwargs)

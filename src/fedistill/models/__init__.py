@@ -1,12 +1,12 @@
 """Model zoo. Importing this package registers every model in :data:`fedistill.registry.MODELS`.
 
 Registered names: ``cnn`` (FedAvg/FedNTD/FedLMD CNN), ``digits_cnn`` (tiny CNN for 8x8 digits), ``mlp``
-(2NN), ``resnet8`` (CIFAR-style), ``resnet18`` (cifar or imagenet stem). Create one with
+(2NN), ``resnet8`` (CIFAR-style), ``resnet18`` (cifar or imagenet stem), ``mobilenet_v2``. Create one with
 :func:`build_model`; every model is a :class:`ClassifierModel` (``extract`` -> features, ``classify`` ->
 logits). Any of them takes ``projection_dim`` for MOON's projection head (:class:`ProjectedClassifier`).
 """
 
-from . import cnn, mlp, resnet  # noqa: F401  (imported for their registrations)
+from . import cnn, mlp, mobilenet, resnet  # noqa: F401  (imported for their registrations)
 from .base import ClassifierModel
 from .cnn import DigitsCNN, FedAvgNet
 from .mlp import MLP
