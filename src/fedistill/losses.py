@@ -195,7 +195,8 @@ def label_smoothing_term(logits: torch.Tensor, labels: torch.Tensor, epsilon: fl
     """What label smoothing adds to plain CE: ``ε · (mean_b −(1/C) Σ_i log p_i − CE)`` (FedLMD Table 2, FedAvg+LS).
 
     ``CE + this`` equals ``F.cross_entropy(logits, labels, label_smoothing=ε)`` (PyTorch's
-    ``(1−ε)·onehot + ε/C`` target), so label smoothing composes as a loss term.
+    ``(1−ε)·onehot + ε/C`` target), so label smoothing composes as a loss term. It sees the raw logits: combined
+    with a logit transform (FedRS) it smooths those, not the transformed ones the CE sees.
     """
     log_p = torch.log_softmax(logits.float(), dim=1)
     uniform_ce = -log_p.mean(dim=1).mean()
