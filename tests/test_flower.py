@@ -193,9 +193,8 @@ def test_fake_grid_partial_round_failure_and_resume(tmp_path, keep_threads, task
     run_b = tmp_path / "b"
     grid = FakeGrid(cfg, nodes_for(3))
     grid.silent_from_round[1002] = 2
-    started = time.monotonic()
+    # Returning at all shows the round timeout fired; the rows show who was counted.
     flower_app.run_server(grid, cfg, FlowerSettings(run_dir=str(run_b), round_timeout=1.0, min_fraction=0.6))
-    assert time.monotonic() - started < 30
     rows = read_rows(run_b)
     assert [r["clients"] for r in rows] == [3, 2, 2]
     assert rows[1]["bytes_up"] == 2 * sim_history[1]["bytes_up"] // 3
@@ -294,9 +293,7 @@ def test_real_federation_survives_a_killed_supernode(federation, tmp_path, keep_
     federation.submit(app)
     _wait_for(run_dir / "metrics.jsonl", 90, federation, lambda p: p.exists() and len(p.read_text().splitlines()) >= 1)
     federation.kill_supernode(2)  # round 2 was already sent to it: it dies holding the message
-    killed = time.monotonic()
-    _wait_for(run_dir / "summary.json", timeout + 30, federation)
-    assert time.monotonic() - killed < timeout + 30
+    _wait_for(run_dir / "summary.json", timeout + 30, federation)  # fails if the run does not finish by then
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "finished", summary
     rows = read_rows(run_dir)
