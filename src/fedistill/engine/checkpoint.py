@@ -4,11 +4,17 @@ Because every random stream is derived from (seed, round, client) (see :mod:`.se
 has to be stored: the global model (full state dict), the server's and every client's persistent state,
 and the metrics so far are enough. Files are written to a temporary name and renamed, so a crash while
 saving never leaves a half-written checkpoint in place of the last good one.
+
+A checkpoint holds only tensors and plain data (numbers, strings, None, lists, tuples, dicts), and is
+read with ``torch.load(weights_only=True)``: a run directory can come from anywhere (a colleague, a shared
+disk), and a pickled object in a tampered file must never run code on resume. Such a file is refused with
+one line.
 """
 
 from __future__ import annotations
 
 import os
+import pickle
 from pathlib import Path
 from typing import Any
 
@@ -30,25 +36,77 @@ def save_checkpoint(path: Path, payload: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
+def load_tensor_file(path: Path, what: str) -> Any:
+    """``torch.load`` of a file that must hold only tensors and plain data; one-line errors otherwise.
+
+    ``what`` names the file in the message ("checkpoint", "client state file").
+    """
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+        globals_ = [line for line in lines if "GLOBAL" in line or "Unsupported global" in line]
+        if globals_:
+            # weights_only refused a pickled object that is not a tensor or plain data: a tampered or foreign file.
+            raise ConfigError(
+                f"{what} {path} holds objects other than tensors and plain data and was not loaded "
+                f"(it was not written by fedistill, or was tampered with: {globals_[0][:160]})"
+            ) from None
+        detail = next((line for line in lines if line.startswith("Unsupported")), lines[-1] if lines else "")
+        raise ConfigError(f"{what} {path} cannot be read ({detail[:160]}); the file is damaged") from None
+    except Exception as exc:  # truncated, empty or not a torch file at all
+        raise ConfigError(
+            f"{what} {path} cannot be read ({exc.__class__.__name__}: {str(exc).strip().splitlines()[0][:160] if str(exc).strip() else 'no detail'}); "
+            "the file is damaged"
+        ) from None
+
+
 def load_checkpoint(path: Path) -> dict[str, Any]:
     if not path.is_file():
-        raise ConfigError(f"--resume: no checkpoint at {path}; run without --resume to start this run")
-    try:
-        payload = torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as exc:  # a truncated or foreign file: say which and why
-        raise ConfigError(f"--resume: checkpoint {path} cannot be read ({exc.__class__.__name__}: {exc})") from None
-    if payload.get("format_version") != FORMAT_VERSION:
-        raise ConfigError(f"--resume: checkpoint {path} has format {payload.get('format_version')}, expected {FORMAT_VERSION}")
+        raise ConfigError(f"resume: no checkpoint at {path}")
+    payload = load_tensor_file(path, "checkpoint")
+    if not isinstance(payload, dict) or payload.get("format_version") != FORMAT_VERSION:
+        version = payload.get("format_version") if isinstance(payload, dict) else None
+        raise ConfigError(f"resume: checkpoint {path} has format {version}, expected {FORMAT_VERSION}")
     return payload
 
 
-def check_compatible(saved: dict[str, Any], current: dict[str, Any]) -> None:
-    """A resumed run must have the checkpointed configuration, except for ``rounds`` and ``run.*``."""
+# Settings under ``run`` that change the numbers a run produces: a continuation with another value would
+# not reproduce the uninterrupted run. (``client_state``, ``workers`` at equal threads per client,
+# ``checkpoint_every``, ``progress``, ``out_dir``, ``name`` and ``tune_allocator`` do not.)
+NUMERIC_RUN_SETTINGS = ("precision", "channels_last", "device", "client_threads")
+
+
+def check_compatible(
+    saved: dict[str, Any],
+    current: dict[str, Any],
+    saved_numerics: dict[str, Any] | None = None,
+    current_numerics: dict[str, Any] | None = None,
+    allow_numeric_change: bool = False,
+    hint: str = "",
+) -> list[str]:
+    """A resumed run must have the checkpointed configuration, except for ``rounds`` and ``run.*``.
+
+    Among ``run.*``, the settings of :data:`NUMERIC_RUN_SETTINGS` change results: a change is refused
+    unless ``allow_numeric_change``; the changes are returned (the caller records them in the run
+    directory). ``hint`` says how to allow it where the message is shown (CLI flag or Flower run config).
+    """
     for key in sorted(set(saved) | set(current)):
         if key in RESUMABLE_DIFFERENCES:
             continue
         if saved.get(key) != current.get(key):
             raise ConfigError(
-                f"--resume: {key} differs from the checkpointed run ({saved.get(key)!r} vs {current.get(key)!r}); "
-                "only rounds and run.* may change when resuming"
+                f"resume: {key} differs from the checkpointed run ({saved.get(key)!r} vs {current.get(key)!r}); "
+                "only rounds and run settings that do not change results may change when resuming"
             )
+    changes: list[str] = []
+    if saved_numerics is not None and current_numerics is not None:
+        for key in NUMERIC_RUN_SETTINGS:
+            if saved_numerics.get(key) != current_numerics.get(key):
+                changes.append(f"{key}: {saved_numerics.get(key)!r} -> {current_numerics.get(key)!r}")
+    if changes and not allow_numeric_change:
+        raise ConfigError(
+            f"resume: {'; '.join(changes)} would change the numbers of the rest of this run, so it would no longer "
+            f"equal an uninterrupted run; resume with the checkpointed settings, or {hint or 'allow the change explicitly'}"
+        )
+    return changes

@@ -98,7 +98,9 @@ class DiskStateStore(Mapping[int, dict[str, Any]]):
         rnd = self._current.get(cid)
         if rnd is None:
             return {}
-        return torch.load(self._path(cid, rnd), map_location="cpu", weights_only=True)
+        from .checkpoint import load_tensor_file
+
+        return load_tensor_file(self._path(cid, rnd), f"client {cid}'s state file")
 
     def save(self, cid: int, state: dict[str, Any], rnd: int) -> None:
         if not state and cid not in self._current:
