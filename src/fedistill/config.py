@@ -8,6 +8,7 @@ line naming the key and what is allowed (the CLI turns it into exit code 2).
 from __future__ import annotations
 
 import copy
+import difflib
 from pathlib import Path
 from typing import Any, Literal
 
@@ -31,8 +32,46 @@ DATASET_DEFAULTS: dict[str, dict[str, Any]] = {
 }
 
 
+# Strict types: a bool is not a number (``rounds: true`` would be 1 round), a float is not an int
+# (``rounds: 1e23``), and no setting may be NaN or infinite (``local.lr: .inf``). Ints are still accepted
+# where a float is expected.
+STRICT = ConfigDict(extra="forbid", validate_assignment=True, strict=True, allow_inf_nan=False)
+
+# Upper bounds that catch typos (an extra zero or exponent) long before they exhaust memory or time.
+MAX_ROUNDS = 1_000_000
+MAX_CLIENTS = 10_000_000
+
+
+def check_run_name(name: str) -> None:
+    """A run name is one directory name inside ``run.out_dir``: no separators, no ``..``, not absolute."""
+    if not name or name in (".", "..") or "/" in name or "\\" in name or Path(name).is_absolute() or "\0" in name:
+        raise ValueError(
+            f"{name!r} must be a single directory name inside run.out_dir (no '/', no '..'); "
+            "put the parent directory in run.out_dir (--out) instead"
+        )
+
+
+def check_device(device: str) -> None:
+    """``run.device`` must name a device torch knows and this machine has."""
+    import torch
+
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, ValueError):
+        raise ValueError(f"{device!r} is not a device name (e.g. cpu, cuda, cuda:1, mps)") from None
+    if parsed.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"{device!r} asks for CUDA, but this machine has no usable CUDA device; use cpu")
+        if parsed.index is not None and parsed.index >= torch.cuda.device_count():
+            raise ValueError(f"{device!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    elif parsed.type == "mps" and not torch.backends.mps.is_available():
+        raise ValueError(f"{device!r} asks for MPS, which this machine does not have; use cpu")
+    elif parsed.type not in ("cpu", "cuda", "mps"):
+        raise ValueError(f"{device!r} is not supported (cpu, cuda, cuda:N or mps)")
+
+
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = STRICT
 
 
 class DatasetConfig(_Section):
@@ -46,10 +85,10 @@ class DatasetConfig(_Section):
 
 class PartitionConfig(_Section):
     scheme: str = "lda"
-    num_clients: int = Field(20, ge=1)
+    num_clients: int = Field(20, ge=1, le=MAX_CLIENTS)
     alpha: float | None = Field(0.5, gt=0, description="Dirichlet concentration (lda, client_dirichlet)")
     shards_per_client: int | None = Field(None, ge=1, description="shards scheme")
-    min_size: int | None = Field(None, ge=0, description="lda: minimum samples per client (default 10)")
+    min_size: int | None = Field(None, ge=1, description="lda: minimum samples per client (default 10); empty clients are not allowed")
     max_retries: int | None = Field(None, ge=1, description="lda: redraw budget before giving up (default: automatic)")
     per_client_test: bool = Field(False, description="split the test set per client following train proportions")
     seed: int | None = Field(None, ge=0, description="partition seed (default: the run seed)")
@@ -90,11 +129,24 @@ class RunConfig(_Section):
     tune_allocator: bool = Field(True, description="keep freed memory in glibc's heap (fewer page faults)")
     progress: bool = True
 
+    @field_validator("name")
+    @classmethod
+    def _single_directory_name(cls, value: str | None) -> str | None:
+        if value is not None:
+            check_run_name(value)
+        return value
+
+    @field_validator("device")
+    @classmethod
+    def _known_device(cls, value: str) -> str:
+        check_device(value)
+        return value
+
 
 class AlgorithmConfig(BaseModel):
     """``name`` plus the algorithm's own hyperparameters, validated by its ``Params`` model."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
     name: str = "fedavg"
     # Methods whose ingredients are added to ``name`` (algorithms/compose.py), each with its parameters.
     plus: dict[str, dict[str, Any]] = Field(default_factory=dict)
@@ -120,8 +172,8 @@ class AlgorithmConfig(BaseModel):
 
 class Config(_Section):
     seed: int = Field(0, ge=0)
-    rounds: int = Field(30, ge=1)
-    clients_per_round: int = Field(5, ge=1)
+    rounds: int = Field(30, ge=1, le=MAX_ROUNDS)
+    clients_per_round: int = Field(5, ge=1, le=MAX_CLIENTS)
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
     dataset: DatasetConfig = Field(default_factory=DatasetConfig)
     partition: PartitionConfig = Field(default_factory=PartitionConfig)
@@ -166,6 +218,24 @@ class Config(_Section):
         return tree
 
 
+def _section_fields(loc: tuple[Any, ...]) -> list[str]:
+    """The valid keys of the section that ``loc`` (minus its last element) points into."""
+    model: Any = Config
+    for part in loc[:-1]:
+        field = getattr(model, "model_fields", {}).get(part)
+        annotation = getattr(field, "annotation", None)
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            return []
+        model = annotation
+    return list(getattr(model, "model_fields", {}))
+
+
+def closest(key: str, valid: Any) -> str:
+    """`` (did you mean 'x'?)`` for a mistyped key, or ``""``."""
+    match = difflib.get_close_matches(str(key), [str(v) for v in valid], n=1, cutoff=0.6)
+    return f" (did you mean {match[0]!r}?)" if match else ""
+
+
 def _format_validation_error(err: ValidationError) -> str:
     first = err.errors()[0]
     loc = ".".join(str(p) for p in first["loc"])
@@ -173,9 +243,12 @@ def _format_validation_error(err: ValidationError) -> str:
     if msg.startswith("Value error, "):
         msg = msg[len("Value error, ") :]
     if first["type"] == "extra_forbidden":
-        return f"{loc}: unknown key"
+        valid = _section_fields(first["loc"])
+        hint = closest(first["loc"][-1], valid) or (f" (valid keys here: {', '.join(valid)})" if valid else "")
+        return f"{loc}: unknown key{hint}"
     got = first.get("input")
-    shown = "" if isinstance(got, (dict, list)) or got is None else f" (got {got!r})"
+    # A validator's own message already names the value.
+    shown = "" if isinstance(got, (dict, list)) or got is None or first["type"] == "value_error" else f" (got {got!r})"
     return f"{loc}: {msg}{shown}" if loc else f"{msg}"
 
 
@@ -207,36 +280,68 @@ def parse_override(text: str) -> tuple[str, Any]:
     return key, value
 
 
+def parse_yaml_text(path: str | Path, text: str, what: str | None = None) -> dict[str, Any]:
+    """A YAML mapping from ``text`` (read from ``path``); errors keep YAML's line and column."""
+    what = what or str(path)
+    try:
+        data = yaml.safe_load(text)
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = " ".join(str(p) for p in (exc.context, exc.problem) if p)
+        raise ConfigError(f"{what}: not valid YAML{where}: {problem}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{what}: not valid YAML: {str(exc).splitlines()[0]}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{what}: the top level must be a mapping of keys to values, not a {type(data).__name__}")
+    return data
+
+
 def read_yaml(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"--config: file {str(path)!r} does not exist")
     try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"--config {path}: not valid YAML: {str(exc).splitlines()[0]}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"--config {path}: the top level must be a mapping of keys to values")
-    return data
+        text = path.read_text()
+    except UnicodeDecodeError:
+        raise ConfigError(f"--config {path}: not a YAML file (it holds binary data)") from None
+    return parse_yaml_text(path, text, what=f"--config {path}")
 
 
 def build_config(
-    base: dict[str, Any] | None = None, overrides: dict[str, Any] | list[str] | None = None
+    base: dict[str, Any] | None = None,
+    overrides: dict[str, Any] | list[str] | None = None,
+    source: str | None = None,
 ) -> Config:
-    """Validate ``base`` (e.g. a YAML file's content) with dotted ``overrides`` applied on top."""
+    """Validate ``base`` (e.g. a YAML file's content) with dotted ``overrides`` applied on top.
+
+    ``source`` names where ``base`` came from (a run directory's config.yaml): an error in a key that no
+    override set says it came from that file.
+    """
     tree = copy.deepcopy(base or {})
     if isinstance(tree.get("algorithm"), str):
         tree["algorithm"] = {"name": tree["algorithm"]}
-    items = overrides.items() if isinstance(overrides, dict) else (parse_override(o) for o in overrides or [])
+    items = list(overrides.items() if isinstance(overrides, dict) else (parse_override(o) for o in overrides or []))
     for key, value in items:
         if key == "algorithm" and isinstance(value, str):
             key = "algorithm.name"
         _set_path(tree, key, value)
+    overridden = [key for key, _ in items]
     try:
-        cfg = Config.model_validate(tree)
-    except ValidationError as err:
-        raise ConfigError(_format_validation_error(err)) from None
-    validate_names(cfg)
+        try:
+            cfg = Config.model_validate(tree)
+        except ValidationError as err:
+            raise ConfigError(_format_validation_error(err)) from None
+        validate_names(cfg)
+    except ConfigError as exc:
+        message = str(exc)
+        failing = message.split(":", 1)[0]
+        from_override = any(failing == k or failing.startswith(k + ".") or k.startswith(failing + ".") for k in overridden)
+        if source and not from_override:
+            raise ConfigError(f"{source}: {message}") from None
+        raise
     return cfg
 
 
@@ -254,7 +359,7 @@ def validate_names(cfg: Config) -> None:
     for name, params in cfg.algorithm.plus.items():
         part_params(ALGORITHMS.get(name, key=f"algorithm.plus.{name}"), name, params)
     if cfg.algorithm.plus:
-        from .engine.simulation import make_algorithm
+        from .algorithms.build import make_algorithm
 
         make_algorithm(cfg)  # refuses parts that cannot be combined, now rather than in round 1
     DATASETS.get(cfg.dataset.name, key="dataset.name")
@@ -287,5 +392,6 @@ def part_params(algo_cls: Any, name: str, params: dict[str, Any], prefix: str | 
         key = ".".join(str(p) for p in first["loc"])
         if first["type"] == "extra_forbidden":
             allowed = ", ".join(algo_cls.Params.model_fields) or "none"
-            raise ConfigError(f"{prefix}.{key}: not a parameter of {name} (accepted: {allowed})") from None
+            hint = closest(first["loc"][-1], algo_cls.Params.model_fields)
+            raise ConfigError(f"{prefix}.{key}: not a parameter of {name}{hint} (accepted: {allowed})") from None
         raise ConfigError(f"{prefix}.{key}: {first['msg']} (got {first.get('input')!r})") from None

@@ -128,7 +128,8 @@ class RoundInfo:
 class AlgorithmParams(BaseModel):
     """Base of every algorithm's typed hyperparameters (unknown keys are an error)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # Strict like the run config (config.py): no bool for a number, no float for an int, no NaN/inf.
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
 
 
 class Algorithm:
