@@ -47,6 +47,11 @@ def _add_run_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-verify", action="store_true", help="skip md5 checks of dataset files (custom copies)")
     p.add_argument("--resume", metavar="RUN_DIR", help="continue an interrupted run from its checkpoint")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--allow-numeric-change", action="store_true",
+        help="with --resume: allow run.precision, run.threads, run.workers' threads, run.channels_last or run.device to "
+        "differ from the checkpoint's (the rest of the run then no longer equals an uninterrupted one; recorded in resumes.jsonl)",
+    )
 
 
 def _overrides_from_args(args: argparse.Namespace) -> list[tuple[str, Any]]:
@@ -73,13 +78,15 @@ def cmd_run(args: argparse.Namespace) -> int:
     from .runner import run_experiment
 
     overrides = dict(_overrides_from_args(args))
+    if args.allow_numeric_change and not args.resume:
+        raise ConfigError("--allow-numeric-change goes with --resume RUN_DIR")
     if args.resume:
-        run_dir = RunDirectory(Path(args.resume))
-        base = run_dir.read_config()
         if args.config:
             raise ConfigError("--resume takes its config from the run directory; drop --config")
-        cfg = build_config(base, overrides)
-        run_experiment(cfg, run_dir=run_dir, resume=True)
+        run_dir = RunDirectory(Path(args.resume))
+        base = run_dir.read_config()
+        cfg = build_config(base, overrides, source=str(run_dir.path / "config.yaml"))
+        run_experiment(cfg, run_dir=run_dir, resume=True, allow_numeric_change=args.allow_numeric_change)
     else:
         base = read_yaml(args.config) if args.config else {}
         cfg = build_config(base, overrides)

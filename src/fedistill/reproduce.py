@@ -170,12 +170,11 @@ def ensure_run(cfg, run_path: Path, console) -> tuple[list[dict[str, Any]], bool
 
 
 def _read(run_path: Path) -> tuple[dict[str, Any], list[dict[str, Any]], dict[str, Any]]:
-    """(config, rows, summary) of a run directory, tolerating a run that stopped before its first row."""
-    config = yaml.safe_load((run_path / "config.yaml").read_text()) if (run_path / "config.yaml").is_file() else {}
-    metrics = run_path / "metrics.jsonl"
-    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()] if metrics.is_file() else []
-    summary = json.loads((run_path / "summary.json").read_text()) if (run_path / "summary.json").is_file() else {}
-    return config or {}, rows, summary
+    """(config, rows, summary) of a run directory, tolerating a run that stopped before its first row
+    (or was killed while writing one)."""
+    from .report.rundir import read_run
+
+    return read_run(run_path, require_metrics=False)
 
 
 def _ensure_run(cfg, run_path: Path, console) -> None:
@@ -193,10 +192,10 @@ def _ensure_run(cfg, run_path: Path, console) -> None:
             )
         if summary.get("status") == "diverged" or (summary.get("status") == "finished" and len(rows) >= cfg.rounds):
             return
-        if (run_path / "checkpoint.pt").is_file():
-            run_experiment(cfg, RunDirectory(run_path), resume=True, console=console)
-            return
-    if run_path.exists():  # a run that died before its first checkpoint: start it again
+        # Resumed from its checkpoint, or started again from round 1 if it died before the first one.
+        run_experiment(cfg, RunDirectory(run_path), resume=True, console=console)
+        return
+    if run_path.exists():  # a directory without a config: nothing of a run was written yet
         shutil.rmtree(run_path)
     run_path.mkdir(parents=True)
     run_experiment(cfg, RunDirectory(run_path), console=console)

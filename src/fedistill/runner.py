@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import time
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +12,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, Ti
 from rich.table import Table
 
 from .config import Config
-from .errors import TrainingDiverged
+from .errors import ConfigError, TrainingDiverged
 from .report.plots import plot_accuracy, plot_class_distributions, plot_partition
 from .report.rundir import RunDirectory, read_run
 
@@ -45,24 +46,63 @@ def load_dataset_for(cfg: Config):
     )
 
 
+RESUME_NUMERIC_HINT = "pass --allow-numeric-change to continue anyway (the change is recorded in resumes.jsonl)"
+
+
 def run_experiment(
-    cfg: Config, run_dir: RunDirectory | None = None, resume: bool = False, console: Console | None = None
+    cfg: Config,
+    run_dir: RunDirectory | None = None,
+    resume: bool = False,
+    console: Console | None = None,
+    allow_numeric_change: bool = False,
 ) -> dict[str, Any]:
-    """Run ``cfg`` into a run directory (a new one unless resuming); returns the summary."""
+    """Run ``cfg`` into a run directory (a new one unless resuming); returns the summary.
+
+    Everything a user can get wrong is checked before anything is written: the config (already validated),
+    the worker and thread counts, the run directory's location, the dataset files, the partition and the
+    model. A resume rewrites ``config.yaml`` only once its checkpoint has been restored and rounds remain.
+    """
+    from .engine.executors import check_workers
     from .engine.simulation import Simulation, summarise
 
     console = console or make_console()
+    check_workers(cfg)
+    new_dir: tuple[str, str] | None = None
+    if run_dir is None:
+        default = f"{cfg.algorithm.display_name()}-{cfg.dataset.name}"
+        name = cfg.run.name or f"{default}-{time.strftime('%Y%m%d-%H%M%S')}"
+        path = RunDirectory.location(cfg.run.out_dir, name, default)
+        if path.exists() and any(path.iterdir()):
+            RunDirectory.create(cfg.run.out_dir, name, default)  # raises: says how to continue it
+        new_dir = (cfg.run.out_dir, name)
     dataset = load_dataset_for(cfg)
     # Build everything (partition, models, algorithm) before creating the run directory, so that an
     # impossible partition or a bad model option leaves no empty run directory behind.
     sim = Simulation(cfg, dataset)
-    if run_dir is None:
-        run_dir = RunDirectory.create(cfg.run.out_dir, cfg.run.name, f"{cfg.algorithm.display_name()}-{cfg.dataset.name}")
+    if new_dir is not None:
+        run_dir = RunDirectory.create(new_dir[0], new_dir[1], new_dir[1])
+    assert run_dir is not None
     sim.run_dir = run_dir.path
+    note = ""
     if resume:
-        sim.restore()
+        restored = sim.restore(allow_numeric_change=allow_numeric_change, hint=RESUME_NUMERIC_HINT)
+        done = sim.state.round
+        if restored and cfg.rounds < done:
+            raise ConfigError(
+                f"resume: {run_dir.path} already has {done} rounds; --rounds {cfg.rounds} cannot take them back "
+                f"(give --rounds above {done} to continue it, or leave --rounds out)"
+            )
+        if sim.server_runtime.numeric_changes:
+            run_dir.record_resume(done, sim.server_runtime.numeric_changes)
         run_dir.rewrite_metrics(sim.state.history)  # drop rows written after the checkpoint
-    run_dir.write_config(cfg.to_dict())
+        if not restored:
+            note = " (it has no checkpoint yet: starting it from round 1 with its saved configuration)"
+        elif done == cfg.rounds:
+            note = f" (all {done} rounds are done: only its summary is written again)"
+        else:
+            note = f" (resuming after round {done})"
+    if sim.state.round < cfg.rounds or not resume:
+        run_dir.write_config(cfg.to_dict())
     counts = sim.federation.class_counts()
     run_dir.write_partition(counts)
     plot_partition(counts, run_dir.path / "partition.png", f"{cfg.partition.scheme}: {counts.shape[0]} clients")
@@ -70,8 +110,7 @@ def run_experiment(
     start_round = sim.state.round
     console.print(
         f"[bold]{cfg.algorithm.display_name()}[/] on {cfg.dataset.name} ({cfg.model_name()}), {cfg.partition.num_clients} clients "
-        f"({cfg.partition.scheme}), {cfg.clients_per_round}/round, {cfg.rounds} rounds -> {run_dir.path}"
-        + (f" (resuming after round {start_round})" if resume else "")
+        f"({cfg.partition.scheme}), {cfg.clients_per_round}/round, {cfg.rounds} rounds -> {run_dir.path}{note}"
     )
     progress = Progress(
         TextColumn("round {task.completed}/{task.total}"),

@@ -94,18 +94,35 @@ class ProcessPoolExecutor:
         self._pool.shutdown(wait=True, cancel_futures=True)
 
 
-def make_executor(cfg: Any, dataset: Any, federation: Any, client_runtime: Any) -> SequentialExecutor | ProcessPoolExecutor:
-    """The executor ``cfg.run.workers`` asks for (1 = sequential, in this process)."""
+def client_threads(cfg: Any) -> int:
+    """Intra-op threads of the process that trains a client: ``run.threads``, else every core for the
+    sequential executor and an equal share of them per worker process. Thread count changes the order of
+    floating-point reductions, so it is one of the settings a resume must keep (engine/checkpoint.py)."""
+    cores = os.cpu_count() or 1
+    if cfg.run.workers == 1:
+        return cfg.run.threads or cores
+    return cfg.run.threads or max(1, cores // cfg.run.workers)
+
+
+def check_workers(cfg: Any) -> None:
+    """Refuse worker settings this machine cannot honour; called before any work (and by make_executor)."""
     workers = cfg.run.workers
     if workers == 1:
-        return SequentialExecutor(client_runtime)
+        return
     cores = os.cpu_count() or 1
     if cfg.run.device != "cpu":
         raise ConfigError(f"run.workers: parallel client workers run on the CPU only (run.device is {cfg.run.device!r}); use run.workers=1")
-    threads = cfg.run.threads or max(1, cores // workers)
+    threads = client_threads(cfg)
     if workers * threads > cores:
         raise ConfigError(
             f"run.workers: {workers} workers x {threads} threads exceed the {cores} CPU cores; "
             "oversubscribing makes rounds several times slower. Lower run.workers or run.threads"
         )
-    return ProcessPoolExecutor(cfg, dataset, federation, workers, threads)
+
+
+def make_executor(cfg: Any, dataset: Any, federation: Any, client_runtime: Any) -> SequentialExecutor | ProcessPoolExecutor:
+    """The executor ``cfg.run.workers`` asks for (1 = sequential, in this process)."""
+    check_workers(cfg)
+    if cfg.run.workers == 1:
+        return SequentialExecutor(client_runtime)
+    return ProcessPoolExecutor(cfg, dataset, federation, cfg.run.workers, client_threads(cfg))

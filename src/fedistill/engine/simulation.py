@@ -6,6 +6,7 @@ order, with bytes counted from the Messages, a checkpoint every N rounds and exa
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,13 +17,13 @@ import torch
 
 from ..algorithms.base import Algorithm, ClientContext, Message, RoundInfo, ServerContext
 from ..algorithms.local import evaluate
-from ..config import Config, algorithm_params, part_params
+from ..algorithms.build import make_algorithm  # noqa: F401  (re-exported: tests and tools use it from here)
+from ..config import Config
 from ..data.dataset import Dataset
 from ..data.pipeline import AugmentSpec, TensorPipeline
 from ..errors import TrainingDiverged
 from ..models.flat import get_flat
-from ..registry import ALGORITHMS
-from .executors import ProcessPoolExecutor, SequentialExecutor, make_executor
+from .executors import ProcessPoolExecutor, SequentialExecutor, client_threads, make_executor
 from .checkpoint import CHECKPOINT_NAME, check_compatible, load_checkpoint, save_checkpoint
 from .perf import keep_freed_memory_in_heap
 from .state_store import DiskStateStore, MemoryStateStore, make_state_store
@@ -104,21 +105,6 @@ def round_info(cfg: Config, rnd: int) -> RoundInfo:
     return RoundInfo(round=rnd, lr=cfg.local.lr * cfg.local.lr_decay ** (rnd - 1))
 
 
-def make_algorithm(cfg: Config) -> Algorithm:
-    """The configured method; with ``algorithm.plus``, a Composite of it and the added methods."""
-    algo_cls = ALGORITHMS.get(cfg.algorithm.name, key="algorithm.name")
-    algorithm = algo_cls(algorithm_params(algo_cls, cfg), cfg.local)
-    if not cfg.algorithm.plus:
-        return algorithm
-    from ..algorithms.compose import Composite
-
-    parts = [algorithm]
-    for name, params in cfg.algorithm.plus.items():
-        part_cls = ALGORITHMS.get(name, key=f"algorithm.plus.{name}")
-        parts.append(part_cls(part_params(part_cls, name, params), cfg.local))
-    return Composite(parts)
-
-
 def apply_process_settings(cfg: Config) -> None:
     # With worker processes, run.threads is each worker's count; this process (aggregation, evaluation)
     # keeps all cores, since it is idle while the workers train.
@@ -126,6 +112,16 @@ def apply_process_settings(cfg: Config) -> None:
         torch.set_num_threads(cfg.run.threads)
     if cfg.run.tune_allocator:
         keep_freed_memory_in_heap()
+
+
+def run_numerics(cfg: Config) -> dict[str, Any]:
+    """The run settings that change the numbers a run produces (checked on resume, engine/checkpoint.py)."""
+    return {
+        "precision": cfg.run.precision,
+        "channels_last": cfg.run.channels_last,
+        "device": cfg.run.device,
+        "client_threads": client_threads(cfg),
+    }
 
 
 def kl_from_uniform(counts: torch.Tensor) -> float:
@@ -189,6 +185,7 @@ class ServerRuntime:
             self.checkpoint_path,
             {
                 "config": self.cfg.to_dict(),
+                "numerics": run_numerics(self.cfg),
                 "round": self.state.round,
                 "global_model": self.server.model.state_dict(),
                 "server_state": self.server.state,
@@ -198,15 +195,31 @@ class ServerRuntime:
         )
         self.client_store.committed()
 
-    def restore(self, path: Path | None = None) -> None:
-        payload = load_checkpoint(path or self.checkpoint_path)
-        check_compatible(payload["config"], self.cfg.to_dict())
+    def restore(self, path: Path | None = None, allow_numeric_change: bool = False, hint: str = "") -> bool:
+        """Continue from the checkpoint; False (and a clean round-0 state) when the run has none yet.
+
+        A run that died before its first checkpoint then starts again from round 1: the client-state
+        files it left are removed. Settings that change results (:data:`NUMERIC_RUN_SETTINGS`) must equal
+        the checkpoint's unless ``allow_numeric_change``; the changes made are kept in ``numeric_changes``.
+        """
+        path = path or self.checkpoint_path
+        self.numeric_changes: list[str] = []
+        if path is None or not path.is_file():
+            store = self.client_store
+            store.restore({"kind": store.kind, "states": {}, "index": {}}, self.run_dir)
+            self.state = RunState(0, [], store)
+            return False
+        payload = load_checkpoint(path)
+        self.numeric_changes = check_compatible(
+            payload["config"], self.cfg.to_dict(), payload.get("numerics"), run_numerics(self.cfg), allow_numeric_change, hint
+        )
         self.server.model.load_state_dict(payload["global_model"])
         self.server.state = payload["server_state"]
         store = self.client_store
         # Checkpoints from before the state store held a plain dict under "client_states".
         store.restore(payload.get("client_store") or {"kind": "memory", "states": payload["client_states"]}, self.run_dir)
         self.state = RunState(payload["round"], payload["history"], store)
+        return True
 
     def select_clients(self, rnd: int) -> list[int]:
         return sample_clients(self.num_clients, self.cfg.clients_per_round, self.cfg.seed, rnd)
@@ -223,6 +236,16 @@ class ServerRuntime:
         batches = self.test_pipeline.test_batches(self.cfg.eval.batch_size)
         result = evaluate(self.server.model, batches, self.cfg.run.precision)
         return 100.0 * result.accuracy, result.loss, result.predictions
+
+    def _diverged(self, rnd: int, info: RoundInfo, what: str) -> None:
+        """Stop the run: the round is not recorded and the last good checkpoint stays."""
+        last = self.state.round
+        where = (
+            f"the last good checkpoint (round {last}) is {self.checkpoint_path}"
+            if self.checkpoint_path and self.checkpoint_path.exists()
+            else "no checkpoint was written"
+        )
+        raise TrainingDiverged(f"round {rnd}: {what}; {where}. Lower local.lr (now {info.lr:g}) or check the data.")
 
     def complete_round(
         self,
@@ -243,16 +266,7 @@ class ServerRuntime:
         extra = self.algorithm.aggregate(self.server, info, replies)
         rnd = info.round
         if not bool(torch.isfinite(get_flat(self.server.model)).all()):
-            last = self.state.round
-            where = (
-                f"the last good checkpoint (round {last}) is {self.checkpoint_path}"
-                if self.checkpoint_path and self.checkpoint_path.exists()
-                else "no checkpoint was written"
-            )
-            raise TrainingDiverged(
-                f"round {rnd}: the global model became non-finite (NaN/inf); {where}. "
-                f"Lower local.lr (now {info.lr:g}) or check the data."
-            )
+            self._diverged(rnd, info, "the global model became non-finite (NaN/inf)")
         losses = [(float(r["train_loss"]), int(r.get("num_samples", 1))) for r in replies.values() if "train_loss" in r]
         weight = sum(n for _, n in losses)
         row: dict[str, Any] = {
@@ -268,6 +282,9 @@ class ServerRuntime:
         eval_start = time.perf_counter()
         if rnd % self.cfg.eval.every == 0 or rnd == self.cfg.rounds:
             row["test_accuracy"], row["test_loss"], predictions = self.evaluate_global_with_predictions()
+            if not math.isfinite(row["test_loss"]):
+                # Finite weights can still give non-finite logits (e.g. BatchNorm statistics gone wrong).
+                self._diverged(rnd, info, f"its test loss is {row['test_loss']} (non-finite logits)")
             row["prediction_counts"] = [int(v) for v in predictions]
             row["prediction_kl_uniform"] = kl_from_uniform(predictions)
         if train_label_counts is not None:
@@ -397,8 +414,8 @@ class Simulation:
     def checkpoint_path(self) -> Path | None:
         return self.server_runtime.checkpoint_path
 
-    def restore(self, path: Path | None = None) -> None:
-        self.server_runtime.restore(path)
+    def restore(self, path: Path | None = None, **options: Any) -> bool:
+        return self.server_runtime.restore(path, **options)
 
     def round_info(self, rnd: int) -> RoundInfo:
         return round_info(self.cfg, rnd)

@@ -43,15 +43,39 @@ class RunDirectory:
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
 
-    @classmethod
-    def create(cls, out_dir: str | Path, name: str | None, default_name: str) -> "RunDirectory":
+    @staticmethod
+    def location(out_dir: str | Path, name: str | None, default_name: str) -> Path:
+        """Where ``create`` would put the run, checked without writing anything (one-line errors)."""
         name = name or f"{default_name}-{time.strftime('%Y%m%d-%H%M%S')}"
-        path = Path(out_dir) / name
+        check_run_name(name)
+        parent = Path(out_dir)
+        for ancestor in (parent, *parent.parents):
+            if ancestor.exists():
+                if not ancestor.is_dir():
+                    raise ConfigError(f"run.out_dir: {ancestor} is a file, not a directory; choose another --out")
+                break
+        path = parent / name
+        if path.exists() and not path.is_dir():
+            raise ConfigError(f"run.name: {path} is a file, not a run directory; choose another --name")
+        return path
+
+    @classmethod
+    def create(
+        cls, out_dir: str | Path, name: str | None, default_name: str, continue_hint: str | None = None
+    ) -> "RunDirectory":
+        """A new run directory ``out_dir/name``; an existing non-empty one is refused.
+
+        ``continue_hint`` is what to type to continue the existing run where the message is shown (the
+        CLI's ``--resume DIR``, or Flower's run-config keys).
+        """
+        path = cls.location(out_dir, name, default_name)
         if path.exists() and any(path.iterdir()):
-            raise ConfigError(
-                f"run.name: run directory {path} already exists; choose another --name, or continue it with --resume {path}"
-            )
-        path.mkdir(parents=True, exist_ok=True)
+            hint = continue_hint or f"fedistill run --resume {path}"
+            raise ConfigError(f"run.name: run directory {path} already exists; choose another name, or continue it with {hint}")
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(f"run.out_dir: cannot create {path} ({exc.strerror}); choose another --out") from None
         return cls(path)
 
     # ------------------------------------------------------------------------------------------
@@ -59,10 +83,21 @@ class RunDirectory:
         _atomic_write(self.path / "config.yaml", yaml.safe_dump(config, sort_keys=False))
 
     def read_config(self) -> dict[str, Any]:
+        """The run's saved configuration (a mapping); one-line errors naming the file otherwise."""
+        if not self.path.is_dir():
+            raise ConfigError(f"resume: {self.path} is not a directory (give a run directory made by fedistill run)")
         path = self.path / "config.yaml"
         if not path.is_file():
-            raise ConfigError(f"--resume: {self.path} is not a run directory (no config.yaml)")
-        return yaml.safe_load(path.read_text()) or {}
+            raise ConfigError(f"resume: {self.path} is not a run directory (no config.yaml)")
+        from ..config import parse_yaml_text
+
+        return parse_yaml_text(path, _read_text(path), what=f"{path}")
+
+    def record_resume(self, round_: int, changes: list[str]) -> None:
+        """``resumes.jsonl``: each resume that was allowed to change a result-changing setting."""
+        entry = {"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "after_round": round_, "changed": changes}
+        with open(self.path / "resumes.jsonl", "a") as f:
+            f.write(json.dumps(entry) + "\n")
 
     def append_metrics(self, row: dict[str, Any]) -> None:
         with open(self.path / "metrics.jsonl", "a") as f:
@@ -111,14 +146,58 @@ class RunDirectory:
         _atomic_write(self.path / "partition_counts.csv", header + body)
 
 
-def read_run(path: str | Path) -> tuple[dict[str, Any], list[dict[str, Any]], dict[str, Any]]:
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text()
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path} is not a text file (it holds binary data)") from None
+
+
+def check_run_name(name: str) -> None:
+    from ..config import check_run_name as check
+
+    try:
+        check(name)
+    except ValueError as exc:
+        raise ConfigError(f"run.name: {exc}") from None
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """The rows of a ``metrics.jsonl``; a last line cut short by a killed run is skipped (a damaged line
+    elsewhere is an error naming the file and line)."""
+    lines = _read_text(path).splitlines()
+    rows: list[dict[str, Any]] = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            if number == len(lines):  # half-written by a process that died mid-write: not a result
+                break
+            raise ConfigError(f"{path}: line {number} is not valid JSON; the file is damaged") from None
+        if not isinstance(row, dict) or "round" not in row:
+            raise ConfigError(f"{path}: line {number} is not a metrics row; the file is damaged")
+        rows.append(row)
+    return rows
+
+
+def read_run(path: str | Path, require_metrics: bool = True) -> tuple[dict[str, Any], list[dict[str, Any]], dict[str, Any]]:
     """(config, metric rows, summary) of a finished or interrupted run directory."""
+    from ..config import parse_yaml_text
+
     path = Path(path)
     metrics = path / "metrics.jsonl"
-    if not metrics.is_file():
+    if not metrics.is_file() and require_metrics:
         raise ConfigError(f"{path} is not a run directory: metrics.jsonl is missing")
-    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
-    config = yaml.safe_load((path / "config.yaml").read_text()) if (path / "config.yaml").is_file() else {}
+    rows = read_metrics(metrics) if metrics.is_file() else []
+    config_path = path / "config.yaml"
+    config = parse_yaml_text(config_path, _read_text(config_path), what=str(config_path)) if config_path.is_file() else {}
     summary_path = path / "summary.json"
-    summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
-    return config or {}, rows, summary
+    summary: dict[str, Any] = {}
+    if summary_path.is_file():
+        try:
+            summary = json.loads(_read_text(summary_path))
+        except json.JSONDecodeError:
+            summary = {}  # rewritten atomically, so only a foreign edit damages it: treat as unfinished
+    return config, rows, summary if isinstance(summary, dict) else {}

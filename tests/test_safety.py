@@ -1,0 +1,355 @@
+"""Issue 9: safe checkpoints, runs that can always be continued, validation before any work.
+
+Every bad input gives one line (``error: ...``) and exit code 2, writes nothing, and never runs code from
+a run directory; every interrupted run can be continued.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from fedistill.cli import main
+
+FAST = ["--rounds", "2", "--clients", "6", "--clients-per-round", "3", "--epochs", "1", "--no-progress"]
+
+
+def _run(tmp_path: Path, *extra: str, name: str = "r") -> Path:
+    assert main(["run", *FAST, "--out", str(tmp_path), "--name", name, *extra]) == 0
+    return tmp_path / name
+
+
+def _one_line_error(capsys, *words: str) -> str:
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err and "Traceback" not in err, err
+    for word in words:
+        assert word in err, err
+    return err
+
+
+class _Planted:
+    """A pickled object that would create ``marker`` when unpickled (what an attacker would plant)."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def _rows(run: Path) -> list[dict]:
+    return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+# -- 1. a tampered checkpoint or client-state file never runs code --------------------------------------
+def test_a_malicious_checkpoint_is_refused_without_running_its_code(tmp_path, capsys):
+    run = _run(tmp_path)
+    marker = tmp_path / "pwned"
+    payload = torch.load(run / "checkpoint.pt", weights_only=True)
+    payload["history"].append(_Planted(marker))  # one extra object among genuine content
+    torch.save(payload, run / "checkpoint.pt")
+    config_before = (run / "config.yaml").read_text()
+    assert main(["run", "--resume", str(run), "--rounds", "3", "--no-progress"]) == 2
+    assert not marker.exists()
+    _one_line_error(capsys, "checkpoint", "not loaded")
+    assert (run / "config.yaml").read_text() == config_before  # a failed resume rewrites nothing
+
+
+def test_a_malicious_client_state_file_is_refused_without_running_its_code(tmp_path, capsys):
+    run = _run(tmp_path, "--algorithm", "scaffold", "--set", "run.client_state=disk")
+    files = sorted((run / "client_states").glob("*.pt"))
+    assert files
+    marker = tmp_path / "pwned"
+    for path in files:  # whichever client is sampled next loads a planted file
+        torch.save({"scaffold_c": _Planted(marker)}, path)
+    assert main(["run", "--resume", str(run), "--rounds", "4", "--no-progress"]) == 2
+    assert not marker.exists()
+    _one_line_error(capsys, "state file", "not loaded")
+
+
+def test_a_corrupt_client_state_file_is_one_line(tmp_path, capsys):
+    run = _run(tmp_path, "--algorithm", "scaffold", "--set", "run.client_state=disk")
+    for victim in sorted((run / "client_states").glob("*.pt")):
+        victim.write_bytes(b"\x00garbage" * 10)
+    assert main(["run", "--resume", str(run), "--rounds", "4", "--no-progress"]) == 2
+    _one_line_error(capsys, "client_states", "cannot be read")
+
+
+# -- 2. run names stay inside run.out_dir ------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["../../escaped", "/tmp/absolute-run", "a/b", ".."])
+def test_run_names_outside_the_output_directory_are_refused(tmp_path, capsys, name):
+    out = tmp_path / "runs"
+    assert main(["run", *FAST, "--out", str(out), "--name", name]) == 2
+    _one_line_error(capsys, "run.name")
+    assert not out.exists() and not (tmp_path / "escaped").exists() and not Path("/tmp/absolute-run").exists()
+
+
+# -- 3. a run that died before its first checkpoint ------------------------------------------------------
+def test_resume_of_a_run_without_checkpoint_starts_it_from_round_one(tmp_path, capsys):
+    full = _run(tmp_path, name="full")
+    died = _run(tmp_path, name="died")
+    (died / "checkpoint.pt").unlink()  # as if killed after round 1's row, before any checkpoint
+    lines = (died / "metrics.jsonl").read_text().splitlines()
+    (died / "metrics.jsonl").write_text(lines[0] + "\n" + lines[1][:20])
+    (died / "summary.json").unlink()
+    assert main(["run", *FAST, "--out", str(tmp_path), "--name", "died"]) == 2
+    assert "--resume" in _one_line_error(capsys, "already exists")
+    assert main(["run", "--resume", str(died), "--no-progress"]) == 0
+    assert "round 1" in capsys.readouterr().out
+    strip = lambda rows: [{k: v for k, v in r.items() if "seconds" not in k} for r in rows]  # noqa: E731
+    assert strip(_rows(died)) == strip(_rows(full))
+
+
+def test_resume_without_checkpoint_removes_the_client_state_files_of_the_dead_attempt(tmp_path):
+    full = _run(tmp_path, "--algorithm", "scaffold", "--set", "run.client_state=disk", name="full")
+    died = _run(tmp_path, "--algorithm", "scaffold", "--set", "run.client_state=disk", name="died")
+    (died / "checkpoint.pt").unlink()
+    assert main(["run", "--resume", str(died), "--no-progress"]) == 0
+    assert _rows(died)[-1]["test_accuracy"] == _rows(full)[-1]["test_accuracy"]
+
+
+# -- 5. resumes that fail, are pointless, or would change the numbers ------------------------------------
+def test_a_pointless_resume_is_refused_and_rewrites_nothing(tmp_path, capsys):
+    run = _run(tmp_path)
+    before = {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()}
+    assert main(["run", "--resume", str(run), "--rounds", "1", "--no-progress"]) == 2
+    _one_line_error(capsys, "already has 2 rounds")
+    assert {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()} == before
+
+
+def test_a_resume_of_a_finished_run_does_not_rewrite_its_config(tmp_path):
+    run = _run(tmp_path)
+    config = (run / "config.yaml").read_bytes()
+    assert main(["run", "--resume", str(run), "--no-progress", "--set", "run.checkpoint_every=5"]) == 0
+    assert (run / "config.yaml").read_bytes() == config
+    assert [r["round"] for r in _rows(run)] == [1, 2]
+
+
+@pytest.mark.parametrize(
+    "change", ["run.precision=bf16", "run.threads=1", "run.channels_last=false", "run.workers=2"]
+)
+def test_a_resume_that_changes_the_numbers_needs_an_explicit_flag_and_is_recorded(tmp_path, capsys, change, monkeypatch):
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)  # the same thread arithmetic on any machine
+    run = _run(tmp_path, "--set", "run.threads=2" if "workers" not in change else "run.threads=1")
+    config = (run / "config.yaml").read_bytes()
+    if "workers" in change:
+        change = "run.workers=2"  # threads 1 per worker: same thread count, allowed without the flag
+        assert main(["run", "--resume", str(run), "--rounds", "3", "--no-progress", "--set", change]) == 0
+        assert not (run / "resumes.jsonl").exists()
+        return
+    assert main(["run", "--resume", str(run), "--rounds", "3", "--no-progress", "--set", change]) == 2
+    _one_line_error(capsys, "--allow-numeric-change")
+    assert (run / "config.yaml").read_bytes() == config
+    assert main(["run", "--resume", str(run), "--rounds", "3", "--no-progress", "--set", change, "--allow-numeric-change"]) == 0
+    record = [json.loads(x) for x in (run / "resumes.jsonl").read_text().splitlines()]
+    assert record[0]["after_round"] == 2 and record[0]["changed"]
+
+
+def test_a_different_thread_count_per_worker_is_a_numeric_change(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    run = _run(tmp_path)  # workers 1, all (2) threads
+    assert main(["run", "--resume", str(run), "--rounds", "3", "--no-progress", "--set", "run.workers=2"]) == 2
+    _one_line_error(capsys, "client_threads: 2 -> 1")
+
+
+# -- 6. a half-written metrics line ------------------------------------------------------------------------
+def test_compare_and_reproduce_read_a_half_written_last_metrics_line(tmp_path, capsys):
+    from fedistill.report.rundir import read_run
+
+    run = _run(tmp_path)
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write('{"round": 3, "test_accur')
+    _, rows, _ = read_run(run)
+    assert [r["round"] for r in rows] == [1, 2]
+    assert main(["compare", str(run), "--out", str(tmp_path / "c.png")]) == 0
+
+
+def test_a_damaged_metrics_line_in_the_middle_is_one_line(tmp_path, capsys):
+    run = _run(tmp_path)
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    (run / "metrics.jsonl").write_text("{broken\n" + "\n".join(lines) + "\n")
+    assert main(["compare", str(run), "--out", str(tmp_path / "c.png")]) == 2
+    _one_line_error(capsys, "metrics.jsonl", "line 1")
+
+
+# -- 7, 8. validation before any work ----------------------------------------------------------------------
+def _nothing_written(out: Path) -> None:
+    assert not out.exists() or not any(out.iterdir())
+
+
+def test_too_many_worker_threads_are_refused_before_the_run_directory_exists(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    out = tmp_path / "runs"
+    assert main(["run", *FAST, "--out", str(out), "--set", "run.workers=2", "--set", "run.threads=2"]) == 2
+    _one_line_error(capsys, "run.workers")
+    _nothing_written(out)
+
+
+@pytest.mark.parametrize("device,words", [("banana", ["run.device", "not a device"]), ("cuda:7", ["run.device"])])
+def test_unusable_devices_are_one_line(tmp_path, capsys, device, words):
+    out = tmp_path / "runs"
+    assert main(["run", *FAST, "--out", str(out), "--set", f"run.device={device}"]) == 2
+    _one_line_error(capsys, *words)
+    _nothing_written(out)
+
+
+def test_cuda_without_cuda_is_one_line(tmp_path, capsys):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    assert main(["run", *FAST, "--out", str(tmp_path / "runs"), "--set", "run.device=cuda"]) == 2
+    _one_line_error(capsys, "run.device", "no usable CUDA")
+
+
+def test_an_output_directory_that_is_a_file_is_one_line(tmp_path, capsys):
+    target = tmp_path / "afile"
+    target.write_text("x")
+    assert main(["run", *FAST, "--out", str(target)]) == 2
+    _one_line_error(capsys, "run.out_dir", "is a file")
+    assert main(["run", *FAST, "--out", str(target / "below")]) == 2
+    _one_line_error(capsys, "is a file")
+
+
+def test_a_binary_yaml_file_is_one_line(tmp_path, capsys):
+    cfg = tmp_path / "garbage.yaml"
+    cfg.write_bytes(bytes(range(256)) * 4)
+    assert main(["run", "--config", str(cfg), "--out", str(tmp_path / "runs")]) == 2
+    _one_line_error(capsys, "garbage.yaml")
+
+
+@pytest.mark.parametrize("content,words", [("- a\n- b\n", ["mapping", "list"]), ("rounds: [1,\n", ["not valid YAML", "line"])])
+def test_a_run_directory_with_a_bad_config_is_one_line_naming_the_file(tmp_path, capsys, content, words):
+    run = _run(tmp_path)
+    (run / "config.yaml").write_text(content)
+    assert main(["run", "--resume", str(run), "--no-progress"]) == 2
+    _one_line_error(capsys, str(run / "config.yaml"), *words)
+
+
+def test_resume_of_a_missing_directory_is_one_line(tmp_path, capsys):
+    assert main(["run", "--resume", str(tmp_path / "nope")]) == 2
+    _one_line_error(capsys, "not a directory")
+
+
+# -- 9. values accepted today and wrong --------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "override,key",
+    [
+        ("local.lr=.inf", "local.lr"),
+        ("local.lr=.nan", "local.lr"),
+        ("rounds=true", "rounds"),
+        ("rounds=1e23", "rounds"),
+        ("rounds=100000000000000000000000", "rounds"),
+        ("partition.min_size=0", "partition.min_size"),
+        ("algorithm.name=fedprox", None),  # control: valid
+    ],
+)
+def test_wrong_values_are_refused(tmp_path, capsys, override, key):
+    from fedistill.config import build_config
+    from fedistill.errors import ConfigError
+
+    if key is None:
+        build_config({}, [override])
+        return
+    with pytest.raises(ConfigError, match=f"^{key.replace('.', '[.]')}:"):
+        build_config({}, [override])
+
+
+def test_algorithm_parameters_are_strict_too():
+    from fedistill.config import build_config
+    from fedistill.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="algorithm.mu"):
+        build_config({"algorithm": {"name": "fedprox", "mu": float("inf")}})
+    with pytest.raises(ConfigError, match="algorithm.server_momentum"):
+        build_config({"algorithm": {"name": "fedavgm", "server_momentum": True}})
+
+
+def test_yaml_errors_keep_their_line_and_column(tmp_path, capsys):
+    cfg = tmp_path / "tabs.yaml"
+    cfg.write_text("rounds: 3\nlocal:\n\tlr: 0.1\n")
+    assert main(["run", "--config", str(cfg)]) == 2
+    _one_line_error(capsys, "line 3, column 1", "tabs.yaml")
+
+
+def test_an_error_in_a_run_directory_config_says_it_came_from_that_file(tmp_path, capsys):
+    run = _run(tmp_path)
+    saved = yaml.safe_load((run / "config.yaml").read_text())
+    saved["local"]["lr"] = -1.0
+    (run / "config.yaml").write_text(yaml.safe_dump(saved))
+    assert main(["run", "--resume", str(run), "--no-progress"]) == 2
+    _one_line_error(capsys, str(run / "config.yaml"), "local.lr")
+    # A bad override is the user's flag, not the file's.
+    saved["local"]["lr"] = 0.05
+    (run / "config.yaml").write_text(yaml.safe_dump(saved))
+    assert main(["run", "--resume", str(run), "--no-progress", "--set", "local.epochs=-1"]) == 2
+    err = _one_line_error(capsys, "local.epochs")
+    assert "config.yaml" not in err
+
+
+def test_unknown_keys_suggest_the_closest_valid_key(capsys):
+    assert main(["run", "--set", "local.batchsize=5"]) == 2
+    _one_line_error(capsys, "local.batchsize", "did you mean 'batch_size'")
+    assert main(["run", "--set", "algorithm.name=fedprox", "--set", "algorithm.muu=0.1"]) == 2
+    _one_line_error(capsys, "did you mean 'mu'")
+
+
+# -- 11. non-finite logits with finite weights --------------------------------------------------------------
+def _nan_evaluation(monkeypatch, after_round: int):
+    """From evaluation ``after_round`` on, the global model's logits are non-finite while its weights stay
+    finite (what broken BatchNorm statistics do): a forward hook turns the output into NaN."""
+    import fedistill.engine.simulation as simulation
+
+    real = simulation.evaluate
+    calls = {"n": 0}
+
+    def evaluate(model, batches, precision):
+        calls["n"] += 1
+        if calls["n"] < after_round:
+            return real(model, batches, precision)
+        handle = model.register_forward_hook(lambda module, inputs, output: output * float("nan"))
+        try:
+            return real(model, batches, precision)
+        finally:
+            handle.remove()
+
+    monkeypatch.setattr(simulation, "evaluate", evaluate)
+
+
+def test_a_nan_test_loss_stops_the_run_as_diverged(tmp_path, capsys, monkeypatch):
+    _nan_evaluation(monkeypatch, after_round=2)
+    out = tmp_path / "runs"
+    assert main(["run", *FAST, "--rounds", "3", "--out", str(out), "--name", "nan"]) == 1
+    err = capsys.readouterr().err
+    assert "round 2" in err and "test loss" in err
+    summary = json.loads((out / "nan" / "summary.json").read_text())
+    assert summary["status"] == "diverged"
+    assert [r["round"] for r in _rows(out / "nan")] == [1]  # the non-finite round is not a result
+
+
+def test_reproduce_shows_a_nan_test_loss_as_a_failed_cell(tmp_path, monkeypatch):
+    from fedistill.reproduce import Preset, reproduce
+
+    _nan_evaluation(monkeypatch, after_round=2)
+    preset = Preset.model_validate(
+        {
+            "name": "nan",
+            "title": "NaN loss",
+            "source": "test",
+            "paper_rounds": 3,
+            "base": {
+                "clients_per_round": 3,
+                "partition": {"scheme": "lda", "num_clients": 6, "alpha": 0.5},
+                "local": {"epochs": 1, "batch_size": 32},
+                "run": {"progress": False, "checkpoint_every": 1},
+            },
+            "columns": {"lda": {"label": "LDA"}},
+            "methods": {"FedAvg": {"config": {"algorithm": {"name": "fedavg"}}}},
+        }
+    )
+    rows = reproduce(preset, tmp_path / "out", rounds=3)
+    assert rows[0]["failed"] is not None
