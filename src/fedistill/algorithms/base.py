@@ -115,6 +115,9 @@ class ServerContext:
     # n_j of every client of the population, in client-id order, where the deployment tells the server
     # (the partition is built on the server in both the simulation and Flower); FedDyn's adaptive α_k.
     client_num_samples: tuple[int, ...] | None = None
+    seed: int = 0  # the run seed: server-side randomness per round comes from make_generator(seed, purpose, round)
+    input_shape: tuple[int, ...] = ()  # (C, H, W) of one sample: what a server-side generator must produce
+    precision: str = "fp32"  # the run's precision (bf16 autocast for server-side training where the run uses it)
 
 
 @dataclass(frozen=True)

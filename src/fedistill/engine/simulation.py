@@ -161,6 +161,9 @@ class ServerRuntime:
             device=self.device,
             num_clients=num_clients,
             client_num_samples=client_num_samples,
+            seed=cfg.seed,
+            input_shape=tuple(dataset.input_shape),
+            precision=cfg.run.precision,
         )
         self.state = RunState()
         self._store_ready = False
