@@ -1,7 +1,8 @@
 """Aggregation of flat weight vectors and server optimisers (fedavg.md §3).
 
 Server optimisers turn the aggregate into the next global model. They see the old global vector and the
-aggregate, so FedAvgM, FedAdam and plain replacement are interchangeable ingredients.
+aggregate, so FedAvgM, FedAdam and plain replacement are interchangeable ingredients. They step every entry;
+``FedAvg.aggregate`` then overwrites the non-trainable ones (BatchNorm statistics) with the plain weighted mean.
 """
 
 from __future__ import annotations
@@ -78,13 +79,13 @@ class ServerAdam(ServerOptimizer):
     """FedAdam (Reddi et al. 2021, Alg. 2; spec/fmtl-baselines.md §2), no bias correction.
 
     ``Δ = w_agg − w_g``, ``m = β1 m + (1−β1) Δ``, ``v = β2 v + (1−β2) Δ²``, ``w_g ← w_g + η m / (√v + τ)``
-    on trainable entries (``trainable`` mask); the other entries (BatchNorm statistics) take the aggregate.
+    on every entry; the caller (``FedAvg.aggregate``) then gives the entries that are not trainable
+    parameters (BatchNorm statistics) the plain weighted mean, as it does for every server optimiser.
     Moments start at 0 (card ambiguity a) and live in the server state, in float64.
     """
 
-    def __init__(self, lr: float, beta1: float, beta2: float, tau: float, trainable: torch.Tensor) -> None:
+    def __init__(self, lr: float, beta1: float, beta2: float, tau: float) -> None:
         self.lr, self.beta1, self.beta2, self.tau = lr, beta1, beta2, tau
-        self.trainable = trainable
 
     def step(self, state: dict[str, Any], global_vec: torch.Tensor, aggregate: torch.Tensor) -> torch.Tensor:
         old = global_vec.double()
@@ -96,5 +97,4 @@ class ServerAdam(ServerOptimizer):
         m.mul_(self.beta1).add_(delta, alpha=1 - self.beta1)
         v.mul_(self.beta2).addcmul_(delta, delta, value=1 - self.beta2)
         state["adam_m"], state["adam_v"] = m, v
-        new = old + self.lr * m / (v.sqrt() + self.tau)
-        return torch.where(self.trainable, new, aggregate.double()).float()
+        return (old + self.lr * m / (v.sqrt() + self.tau)).float()

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from ..models.flat import trainable_mask
 from ..registry import ALGORITHMS
 from .aggregate import ServerAdam, ServerOptimizer
 from .base import ServerContext
@@ -29,7 +28,6 @@ class FedAdam(FedAvg):
     Params = FedAdamParams
 
     def server_optimizer(self, server: ServerContext) -> ServerOptimizer:
-        if getattr(self, "_mask", None) is None:
-            self._mask = trainable_mask(server.model)
+        # BatchNorm statistics get the plain mean afterwards, in FedAvg.aggregate (fmtl-baselines.md §2).
         p = self.params
-        return ServerAdam(p.server_lr, p.beta1, p.beta2, p.tau, self._mask)
+        return ServerAdam(p.server_lr, p.beta1, p.beta2, p.tau)

@@ -4,6 +4,13 @@ Clients run plain local SGD from the broadcast weights and return them with thei
 server takes the sample-weighted mean (card §3). FedAvgM changes only the server: the pseudo-gradient
 ``w_g - w_agg`` goes through heavy-ball momentum (:class:`~fedistill.algorithms.aggregate.ServerMomentum`).
 Other parameter-averaging methods reuse this class with other ingredients.
+
+Whatever the aggregation rule and the server optimiser, the entries of the flat vector that are not
+trainable parameters (BatchNorm running statistics, other float buffers) get the plain ``p_k``-weighted
+mean of the clients' values: momentum, Adam steps, FedNova's extrapolation or FedDyn's correction act on
+parameters only. A running variance pushed by a server step can turn negative, and its network then
+outputs NaN. The rule is applied once, at the end of :meth:`FedAvg.aggregate`, which every
+parameter-averaging method and every combination goes through.
 """
 
 from __future__ import annotations
@@ -13,7 +20,7 @@ from typing import Any, Callable, Literal, Mapping
 import torch
 from pydantic import Field
 
-from ..models.flat import get_flat, set_flat
+from ..models.flat import get_flat, set_flat, trainable_mask
 from ..registry import ALGORITHMS
 from .aggregate import ServerMomentum, ServerOptimizer, aggregation_weights, weighted_mean
 from .base import Algorithm, AlgorithmParams, ClientContext, Message, RoundInfo, ServerContext
@@ -32,6 +39,11 @@ class FedAvg(Algorithm):
     name = "fedavg"
     Params = FedAvgParams
     needs_features = False  # extra_loss receives the penultimate features (MOON)
+    # Traits that Composite checks (compose.py): the local loss has a proximal/quadratic term pulling the
+    # weights toward an anchor (FedProx, FedDyn, FedCurv); the aggregation assumes the clients ran plain
+    # momentum SGD on the CE alone (FedNova's normaliser a_k).
+    adds_proximal_term = False
+    assumes_plain_sgd = False
 
     def server_optimizer(self, server: ServerContext) -> ServerOptimizer:
         """Turns (old global, combined client weights) into the new global model (FedAvg: the latter)."""
@@ -69,9 +81,25 @@ class FedAvg(Algorithm):
         global_vec = get_flat(server.model)
         combined = self.adjust_combined(server, global_vec, self.combine(global_vec, ordered), ordered)
         new_global = self.server_optimizer(server).step(server.state, global_vec, combined)
-        set_flat(server.model, new_global)
+        set_flat(server.model, self._average_statistics(server, new_global, ordered))
         self._broadcast_round = None
         return self.after_aggregate(server, info, ordered, cids)
+
+    def _average_statistics(
+        self, server: ServerContext, new_global: torch.Tensor, replies: list[Message]
+    ) -> torch.Tensor:
+        """``new_global`` with its non-trainable entries replaced by the plain weighted mean of the replies."""
+        trainable = getattr(self, "_trainable", None)
+        if trainable is None or trainable.numel() != new_global.numel():
+            # Computed once: the mask depends on the model's architecture only.
+            trainable = self._trainable = trainable_mask(server.model)
+            self._all_trainable = bool(trainable.all())
+        if self._all_trainable:
+            return new_global  # no buffers (MNIST CNN, MLP): nothing to do, the vector is unchanged
+        # FedAvg's own mean over whole vectors, so where FedAvg's combine produced the vector the entries are
+        # bit-identical to it (a mean over the selected entries alone may round differently).
+        plain = FedAvg.combine(self, new_global, replies)
+        return torch.where(trainable, new_global, plain)
 
     # -- client ---------------------------------------------------------------------------------
     def extra_loss(self, client: ClientContext, msg: Message) -> ExtraLoss | None:
