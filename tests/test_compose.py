@@ -73,20 +73,23 @@ def test_two_loss_terms_are_summed(make_config, digits, registered):
 def test_combined_messages_carry_every_parts_fields_and_are_counted(make_config, digits):
     from fedistill.engine.simulation import Simulation
 
-    cfg = make_config(**{"algorithm.name": "scaffold", "algorithm.plus": ["fedcurv", "fednova"]})
+    # FedDyn's adaptive α_k adds a scalar to the broadcast (FedNova, which adds one to the reply, may not be
+    # combined with FedCurv's quadratic term: compose.py).
+    plus = {"fedcurv": {}, "feddyn": {"adaptive_alpha": True}}
+    cfg = make_config(**{"algorithm.name": "scaffold", "algorithm.plus": plus})
     sim = Simulation(cfg, digits)
     row = sim.run_round(1)
     info = sim.round_info(2)
     msg = sim.server_runtime.broadcast(info, 0)
-    assert set(msg) == {"weights", "control", "fisher_p", "fisher_q"}
+    assert set(msg) == {"weights", "control", "fisher_p", "fisher_q", "feddyn_alpha"}
     reply = sim.client_runtime.update(0, info, msg, {})
-    assert {"weights", "num_samples", "train_loss", "control_delta", "fisher_u", "fisher_v", "local_steps"} <= set(reply)
-    # Down: weights + c + P + Q per client; up: weights + Δc + u + v + three scalars.
+    assert {"weights", "num_samples", "train_loss", "control_delta", "fisher_u", "fisher_v"} <= set(reply)
+    # Down: weights + c + P + Q + α_k per client; up: weights + Δc + u + v + two scalars.
     w = sum(p.numel() for p in sim.server.model.state_dict().values()) * 4
     p = sum(p.numel() for p in sim.server.model.parameters()) * 4
     clients = row["clients"]
-    assert row["bytes_down"] == clients * (w + 3 * p)
-    assert row["bytes_up"] == clients * (w + 3 * p + 3 * 8)
+    assert row["bytes_down"] == clients * (w + 3 * p + 8)
+    assert row["bytes_up"] == clients * (w + 3 * p + 2 * 8)
 
 
 def test_stateful_combination_resumes_exactly(digits, tmp_path):

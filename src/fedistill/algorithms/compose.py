@@ -16,6 +16,22 @@ rule, a correction of the aggregate, a server optimiser and server-state updates
 corrections are chained in the listed order, reply and broadcast fields are merged, server-state updates
 all run. An aggregation rule (FedNova) and a server optimiser (FedAvgM, FedAdam) can each come from one part
 only; two parts that both define one are refused, since there is no single meaning for "both".
+
+Settings every part has (FedAvg's ``weighting`` and ``grad_clip``) take one value for the whole combination,
+resolved per setting in this order, and then written into every part's parameters (and the composite's own),
+so the aggregation rule, the local training and every other hook use the same value:
+
+1. the value the user set explicitly on any part (on the base or under ``plus``); parts that set it must
+   agree, else the configuration is refused;
+2. if nobody set it, the value of a part whose own default differs from FedAvg's (FedDyn's card chose
+   ``weighting: uniform``, so FedDyn added to any method brings its uniform mean); two such parts with
+   different defaults are refused;
+3. else FedAvg's default.
+
+FedNova's normaliser ``a_k`` counts plain (momentum) SGD steps; with a proximal or quadratic local term
+(FedProx, FedDyn, FedCurv) each step also contracts toward an anchor and the normaliser is a different one
+(Wang et al. 2020: ``a = [1 − (1 − ημ)^τ]/(ημ)`` without momentum), so a part that ``assumes_plain_sgd`` is
+refused next to a part that ``adds_proximal_term``.
 """
 
 from __future__ import annotations
@@ -27,15 +43,50 @@ import torch
 from ..errors import ConfigError
 from .aggregate import ServerOptimizer
 from .base import ClientContext, Message, RoundInfo, ServerContext
-from .fedavg import FedAvg
+from .fedavg import FedAvg, FedAvgParams
 from .local import ExtraLoss, LocalResult
 
 # Hooks that only one part may define: they replace, rather than add to, FedAvg's behaviour.
 EXCLUSIVE_HOOKS = {"combine": "aggregation rule", "server_optimizer": "server optimiser"}
+# FedAvg's parameters that every part has and that must hold one value for the whole combination.
+SHARED_SETTINGS = tuple(FedAvgParams.model_fields)
 
 
 def _defines(part: FedAvg, hook: str) -> bool:
     return getattr(type(part), hook) is not getattr(FedAvg, hook)
+
+
+def _show(value: Any) -> str:
+    return "null" if value is None else str(value)
+
+
+def resolve_shared_settings(parts: list[FedAvg]) -> dict[str, Any]:
+    """The value of each shared setting for the combination (module docstring: explicit, owner, FedAvg)."""
+    resolved: dict[str, Any] = {}
+    for key in SHARED_SETTINGS:
+        having = [p for p in parts if key in type(p.params).model_fields]
+        explicit = [(p, getattr(p.params, key)) for p in having if key in p.params.model_fields_set]
+        if explicit:
+            first, value = explicit[0]
+            for other, other_value in explicit[1:]:
+                if other_value != value:
+                    raise ConfigError(
+                        f"algorithm.plus: {first.name} sets {key}={_show(value)} and {other.name} sets "
+                        f"{key}={_show(other_value)}; set the same value on both or on one only"
+                    )
+            resolved[key] = value
+            continue
+        fedavg_default = FedAvgParams.model_fields[key].get_default()
+        owners = [(p, type(p.params).model_fields[key].get_default()) for p in having]
+        owners = [(p, d) for p, d in owners if d != fedavg_default]
+        for other, other_default in owners[1:]:
+            if other_default != owners[0][1]:
+                raise ConfigError(
+                    f"algorithm.plus: {owners[0][0].name} defaults to {key}={_show(owners[0][1])} and {other.name} "
+                    f"to {key}={_show(other_default)}; set {key} explicitly on one of them"
+                )
+        resolved[key] = owners[0][1] if owners else fedavg_default
+    return resolved
 
 
 class Composite(FedAvg):
@@ -65,10 +116,25 @@ class Composite(FedAvg):
                     "combine at most one of them with the others"
                 )
             self.owners[hook] = defining[0] if defining else parts[0]
+        plain_sgd = [p for p in parts if p.assumes_plain_sgd]
+        proximal = [p for p in parts if p.adds_proximal_term]
+        if plain_sgd and proximal:
+            raise ConfigError(
+                f"algorithm.plus: {plain_sgd[0].name} cannot be combined with {proximal[0].name}: its normaliser a_k "
+                f"counts plain momentum-SGD steps, and {proximal[0].name}'s proximal term makes every local step also "
+                "contract toward the anchor, which needs a different normaliser"
+            )
+        # One value of weighting and grad_clip for every part (module docstring).
+        shared = resolve_shared_settings(parts)
+        for part in parts:
+            update = {k: v for k, v in shared.items() if k in type(part.params).model_fields}
+            part.params = part.params.model_copy(update=update)
         super().__init__(parts[0].params, parts[0].local)
         self.parts = parts
         self.name = "+".join(names)
         self.needs_features = any(p.needs_features for p in parts)
+        self.adds_proximal_term = bool(proximal)
+        self.assumes_plain_sgd = bool(plain_sgd)
 
     # -- server ---------------------------------------------------------------------------------
     def init_server(self, server: ServerContext) -> None:

@@ -129,6 +129,7 @@ class FedCurv(FedAvg):
 
     name = "fedcurv"
     Params = FedCurvParams
+    adds_proximal_term = True  # λ Σ_j u_j ⊙ (w − ŵ_j)²: a quadratic pull toward the others' weights
 
     # -- server ---------------------------------------------------------------------------------
     def init_server(self, server: ServerContext) -> None:

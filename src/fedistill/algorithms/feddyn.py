@@ -56,6 +56,7 @@ class FedDyn(FedAvg):
 
     name = "feddyn"
     Params = FedDynParams
+    adds_proximal_term = True
 
     # -- client ---------------------------------------------------------------------------------
     def _alpha(self, msg: Message) -> float:

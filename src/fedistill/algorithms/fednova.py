@@ -46,6 +46,7 @@ class FedNova(FedAvg):
 
     name = "fednova"
     Params = FedNovaParams
+    assumes_plain_sgd = True  # a_k counts momentum-SGD steps on the CE alone (card §3)
 
     def grad_correction(self, client: ClientContext, msg: Message) -> Callable[[torch.nn.Module], None] | None:
         d_prev = client.state.get("fednova_d") if self.params.ccvr == "fedntd_quirk" else None

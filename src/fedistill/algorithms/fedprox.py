@@ -38,6 +38,7 @@ class FedProx(FedAvg):
 
     name = "fedprox"
     Params = FedProxParams
+    adds_proximal_term = True
 
     @staticmethod
     def _anchored(client: ClientContext) -> tuple[list[torch.nn.Parameter], list[torch.Tensor]]:
