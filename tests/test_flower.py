@@ -6,13 +6,18 @@ insecure mode, private FLWR_HOME) and kill their process groups at the end, what
 
 from __future__ import annotations
 
+import io
 import json
+import logging
+import os
+import re
 import time
 import uuid
 from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 pytest.importorskip("flwr", reason="flwr is not installed: pip install 'fedistill[flower]' (flwr==1.41.0)")
 
@@ -23,6 +28,7 @@ from fedistill.algorithms.base import Message, RoundInfo  # noqa: E402
 from fedistill.config import build_config  # noqa: E402
 from fedistill.engine.seeding import INIT  # noqa: E402
 from fedistill.engine.simulation import Simulation, build_model_for  # noqa: E402
+from fedistill.errors import ConfigError  # noqa: E402
 from fedistill.models.flat import get_flat  # noqa: E402
 from fedistill.runner import load_dataset_for  # noqa: E402
 
@@ -60,7 +66,7 @@ def simulate(cfg):
 
 
 def checkpoint_flat(cfg, run_dir: Path) -> torch.Tensor:
-    payload = torch.load(run_dir / "checkpoint.pt", map_location="cpu", weights_only=False)
+    payload = torch.load(run_dir / "checkpoint.pt", map_location="cpu", weights_only=True)
     model = build_model_for(cfg, load_dataset_for(cfg), (INIT,))
     model.load_state_dict(payload["global_model"])
     return get_flat(model)
@@ -207,7 +213,7 @@ def test_fake_grid_partial_round_failure_and_resume(tmp_path, keep_threads, task
         flower_app.run_server(grid, cfg, FlowerSettings(run_dir=str(run_c), round_timeout=1.0))
     summary = json.loads((run_c / "summary.json").read_text())
     assert summary["status"] == "failed" and "round 2" in summary["error"]
-    assert torch.load(run_c / "checkpoint.pt", weights_only=False)["round"] == 1
+    assert torch.load(run_c / "checkpoint.pt", weights_only=True)["round"] == 1
 
     # A restarted server resumes from the checkpoint and ends where the uninterrupted run ends.
     grid = FakeGrid(cfg, nodes_for(3))
@@ -221,6 +227,161 @@ def test_fake_grid_rejects_mismatched_node_config(tmp_path, keep_threads, task_i
     grid = FakeGrid(cfg, nodes_for(3) | {1002: {"partition-id": 2, "num-partitions": 4}})
     with pytest.raises(flower_app.FederationError, match="num-partitions=4 but the configuration has partition.num_clients=3"):
         flower_app.run_server(grid, cfg, FlowerSettings(run_dir=str(tmp_path / "r"), discovery_timeout=2))
+
+
+# ============================================ resume: no checkpoint yet, refused resumes, messages
+def test_fake_grid_resume_without_checkpoint_starts_from_round_1(tmp_path, keep_threads, task_identity):
+    """A run that stopped before its first checkpoint is continued from round 1 with its saved config."""
+    cfg = flower_config(rounds=3, **{"run.checkpoint_every": 2})
+    expected, sim_history = simulate(cfg)
+    run = tmp_path / "run"
+    grid = FakeGrid(cfg, nodes_for(3))
+    grid.silent_from_round[1002] = 2  # round 1 is written to metrics.jsonl, round 2 fails before any checkpoint
+    with pytest.raises(flower_app.RoundFailed, match="no checkpoint was written yet"):
+        flower_app.run_server(grid, cfg, FlowerSettings(run_dir=str(run), round_timeout=1.0))
+    assert not (run / "checkpoint.pt").exists() and [r["round"] for r in read_rows(run)] == [1]
+    assert json.loads((run / "summary.json").read_text())["status"] == "failed"
+
+    # Without a checkpoint to compare with, the saved config.yaml says which run this is: another one is refused.
+    saved = (run / "config.yaml").read_bytes()
+    other = flower_config(rounds=3, **{"run.checkpoint_every": 2, "local.lr": 0.1})
+    with pytest.raises(ConfigError, match=r"resume: local.lr is 0.1 in the submitted configuration but 0.05 in .*config.yaml"):
+        flower_app.run_server(FakeGrid(other, nodes_for(3)), other, FlowerSettings(run_dir=str(run), resume=True, round_timeout=5))
+    assert (run / "config.yaml").read_bytes() == saved and [r["round"] for r in read_rows(run)] == [1]
+
+    grid = FakeGrid(cfg, nodes_for(3))
+    summary = flower_app.run_server(grid, cfg, FlowerSettings(run_dir=str(run), resume=True, round_timeout=5))
+    assert summary["status"] == "finished"
+    rows = read_rows(run)
+    assert [r["round"] for r in rows] == [1, 2, 3]  # the earlier attempt's row 1 is not kept twice
+    assert [r["test_accuracy"] for r in rows] == [r["test_accuracy"] for r in sim_history]
+    assert torch.equal(checkpoint_flat(cfg, run), expected)
+
+
+def test_resume_and_run_dir_messages_name_run_config_keys(tmp_path):
+    """Every message of a refused start says what to type on Flower (run-config keys), never CLI flags."""
+    cfg = flower_config(rounds=1)
+    missing = tmp_path / "no-such-run"
+    not_a_run = tmp_path / "not-a-run"
+    (not_a_run / "notes").mkdir(parents=True)
+    cases = [
+        (FlowerSettings(resume=True), r"resume=true needs run-dir.*--run-config 'resume=true run-dir="),
+        (FlowerSettings(resume=True, run_dir=str(missing)), r"run-dir: .*no-such-run does not exist.*--run-config 'run-dir="),
+        (FlowerSettings(resume=True, run_dir=str(not_a_run)), r"run-dir: .*not-a-run has no config.yaml.*--run-config 'run-dir="),
+        (FlowerSettings(run_dir=str(not_a_run)), r"run-dir: .*not-a-run is a run directory that already exists; choose another "
+         r"run-dir, or continue it with flwr run <app> <connection> --run-config 'resume=true run-dir=\".*not-a-run\"'"),
+    ]
+    for settings, pattern in cases:
+        with pytest.raises(ConfigError) as info:
+            flower_app.run_server(None, cfg, settings)  # refused before the grid is used or anything is written
+        message = str(info.value)
+        assert re.search(pattern, message), message
+        assert "\n" not in message and not re.search(r"--(resume|name|out)\b", message), message
+    assert not missing.exists() and sorted(p.name for p in not_a_run.iterdir()) == ["notes"]
+
+
+def test_fake_grid_refused_resumes_rewrite_nothing_and_numeric_changes_are_recorded(tmp_path, keep_threads, task_identity):
+    cfg = flower_config(rounds=2)
+    run = tmp_path / "run"
+    assert flower_app.run_server(FakeGrid(cfg, nodes_for(3)), cfg, FlowerSettings(run_dir=str(run), round_timeout=5))["status"] == "finished"
+    saved = {name: (run / name).read_bytes() for name in ("config.yaml", "metrics.jsonl", "summary.json", "checkpoint.pt")}
+
+    def resume(cfg, **options):
+        return flower_app.run_server(FakeGrid(cfg, nodes_for(3)), cfg, FlowerSettings(run_dir=str(run), resume=True, round_timeout=5, **options))
+
+    refusals = [
+        # fewer rounds than done: rewriting config.yaml with rounds=1 would misdescribe the run
+        (flower_config(rounds=1), r"already has 2 rounds; rounds=1 cannot take them back.*overrides='rounds="),
+        # another learning rate is another run
+        (flower_config(rounds=3, **{"local.lr": 0.1}), r"resume: local.lr is 0.1 in the submitted configuration but 0.05 in .*config.yaml"),
+        # another thread count changes the numbers: allowed only explicitly
+        (flower_config(rounds=3, **{"run.threads": 2}), r"client_threads: 1 -> 2 .*--run-config 'resume=true run-dir=\".*\" allow-numeric-change=true'"),
+    ]
+    for other, pattern in refusals:
+        with pytest.raises(ConfigError, match=pattern):
+            resume(other)
+        assert {name: (run / name).read_bytes() for name in saved} == saved, pattern
+        assert not (run / "resumes.jsonl").exists()
+
+    summary = resume(flower_config(rounds=3, **{"run.threads": 2}), allow_numeric_change=True)
+    assert summary["status"] == "finished" and summary["rounds"] == 3
+    entries = [json.loads(line) for line in (run / "resumes.jsonl").read_text().splitlines()]
+    assert [(e["after_round"], e["changed"]) for e in entries] == [(2, ["client_threads: 1 -> 2"])]
+    config = yaml.safe_load((run / "config.yaml").read_text())
+    assert config["rounds"] == 3 and config["run"]["threads"] == 2
+
+
+def test_allow_numeric_change_setting():
+    s = FlowerSettings.from_run_config({"resume": True, "run-dir": "runs/x", "allow-numeric-change": True})
+    assert s.allow_numeric_change and s.resume
+    assert FlowerSettings.from_run_config({}).allow_numeric_change is False
+    with pytest.raises(ConfigError, match="allow-numeric-change=true goes with resume=true"):
+        FlowerSettings.from_run_config({"allow-numeric-change": True})
+    with pytest.raises(ConfigError, match="resume: must be true or false"):
+        FlowerSettings.from_run_config({"resume": "false"})  # bool("false") would have resumed
+
+
+# ==================================================== a failed run: one line, no traceback, failed
+def test_server_main_prints_one_line_and_flower_logs_no_traceback(tmp_path, capsys, task_identity):
+    """What flwr-serverapp does with an exception (flwr/superlink/runtime/run_serverapp.py): it logs it
+    with exc_info on the "flwr" logger and marks the run failed. Ours arrive there without a traceback."""
+    from flwr.supercore.logger import log as flower_log
+
+    context = Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config={"resume": True, "run-dir": str(tmp_path / "gone")})
+    with pytest.raises(ConfigError) as info:
+        flower_app.server_main(None, context)
+    out = capsys.readouterr().out.splitlines()
+    assert [line for line in out if "[fedistill]" in line] == [f"[fedistill] error: {info.value}"]
+
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)  # formats exc_info as a traceback, as Flower's console handler does
+    logging.getLogger("flwr").addHandler(handler)
+    try:
+        flower_log(logging.ERROR, "%s raised an exception", "ServerApp", exc_info=info.value)
+        text = stream.getvalue()
+        assert "ServerApp stopped by the fedistill error above (ConfigError)" in text and "Traceback" not in text, text
+        # A bug is still logged with its traceback.
+        try:
+            raise ValueError("a bug")
+        except ValueError as bug:
+            flower_log(logging.ERROR, "%s raised an exception", "ServerApp", exc_info=bug)
+        assert "Traceback" in stream.getvalue()
+    finally:
+        logging.getLogger("flwr").removeHandler(handler)
+
+
+# =================================================== thread count: same config, same numbers
+def test_fake_grid_default_threads_equal_the_simulation(tmp_path, keep_threads, task_identity):
+    """No run.threads in the config: the ClientApps train with the count `fedistill run` uses, bit for bit."""
+    from fedistill.engine.executors import client_threads
+
+    cfg = flower_config(rounds=3, algorithm={"name": "fedlmd"}, **{"run.threads": None})
+    torch.set_num_threads(client_threads(cfg))  # what `fedistill run` trains with when run.threads is unset
+    expected, sim_history = simulate(cfg)
+    run = tmp_path / "run"
+    assert flower_app.run_server(FakeGrid(cfg, nodes_for(3)), cfg, FlowerSettings(run_dir=str(run), round_timeout=5))["status"] == "finished"
+    rows = read_rows(run)
+    assert [(r["test_accuracy"], r["test_loss"]) for r in rows] == [(r["test_accuracy"], r["test_loss"]) for r in sim_history]
+    assert torch.equal(checkpoint_flat(cfg, run), expected)
+    assert yaml.safe_load((run / "config.yaml").read_text())["run"]["threads"] == client_threads(cfg)
+
+
+def test_app_writer_and_client_thread_count():
+    from fedistill.engine.executors import client_threads
+    from fedistill.flower.project import app_pyproject
+
+    def embedded(cfg):
+        return json.loads(app_pyproject(cfg)["tool"]["flwr"]["app"]["config"]["config-json"])["run"]["threads"]
+
+    unset = flower_config(**{"run.threads": None})
+    assert embedded(unset) == client_threads(unset) == (os.cpu_count() or 1)
+    assert embedded(flower_config(**{"run.threads": None, "run.workers": 2})) == max(1, (os.cpu_count() or 1) // 2)
+    assert embedded(flower_config(**{"run.threads": 3})) == 3
+    # The ClientApp trains with the run's count; a node's threads key overrides it explicitly.
+    assert flower_app._client_threads(flower_config(**{"run.threads": 3}), {"partition-id": 0}) == 3
+    assert flower_app._client_threads(flower_config(**{"run.threads": 3}), {"partition-id": 0, "threads": 1}) == 1
+    with pytest.raises(ConfigError, match="node config threads"):
+        flower_app._client_threads(unset, {"threads": 0})
 
 
 # ========================================================================= a real local federation
@@ -298,6 +459,29 @@ def test_real_federation_survives_a_killed_supernode(federation, tmp_path, keep_
     assert summary["status"] == "finished", summary
     rows = read_rows(run_dir)
     assert [r["clients"] for r in rows] == [3, 2]
+
+
+def test_real_superlink_failed_run_is_marked_failed_with_one_line_and_no_traceback(tmp_path):
+    """A fedistill error in the ServerApp: `flwr ls` says finished:failed with the reason, the log shows the
+    reason in one line and no traceback (`flwr run` itself exits 0: Flower gives the app no say in that)."""
+    from fedistill.flower.local import CONNECTION, LocalFederation
+    from fedistill.flower.project import write_app
+
+    gone = tmp_path / "no-such-run"
+    app = write_app(tmp_path / "app", flower_config(rounds=1))
+    with LocalFederation(tmp_path / "federation", 0) as fed:  # the run fails before it needs a SuperNode
+        submitted = fed.flwr("run", str(app), CONNECTION, "--format", "json", "--run-config", f"resume=true run-dir={json.dumps(str(gone))}")
+        assert submitted.returncode == 0, submitted.stderr  # Flower's choice: the README says how scripts check instead
+        run_id = int(json.loads(submitted.stdout)["run-id"])
+        info = fed.wait(run_id, 90)
+        assert info["status"] == "finished:failed", info
+        assert "does not exist" in info["status-details"], info
+        # `flwr log --stream` returns once the run has ended: the README's recipe for scripts relies on it.
+        log = fed.flwr("log", str(run_id), CONNECTION, "--stream", timeout=60).stdout
+    errors = [line for line in log.splitlines() if "[fedistill] error:" in line]
+    assert len(errors) == 1 and "run config run-dir:" in errors[0] and "resume=true has nothing to continue" in errors[0], log
+    assert "Traceback" not in log and "ServerApp stopped by the fedistill error above (ConfigError)" in log, log
+    assert not gone.exists()
 
 
 def test_client_with_its_own_data_dir_trains_on_its_whole_local_split(tmp_path, keep_threads):

@@ -3,7 +3,8 @@
     python -m fedistill.flower app --config configs/digits_fedavg.yaml --out flower-app \
         --set partition.num_clients=3 --round-timeout 300 --run-dir runs/digits-flower
 
-Then ``flwr run flower-app <connection> --stream`` (docs/flower.md).
+Then ``flwr run flower-app <connection> --stream`` (docs/flower.md). An unset ``run.threads`` is written as
+the count ``fedistill run`` uses on this machine (see :mod:`.project`).
 """
 
 from __future__ import annotations
@@ -30,8 +31,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         from .project import write_app
+        from .settings import with_client_threads
 
-        cfg = build_config(read_yaml(args.config) if args.config else {}, args.overrides)
+        given = build_config(read_yaml(args.config) if args.config else {}, args.overrides)
+        cfg = with_client_threads(given)  # what the ClientApps train with (project.py)
         out = write_app(
             args.out,
             cfg,
@@ -49,6 +52,11 @@ def main(argv: list[str] | None = None) -> int:
         f"start {cfg.partition.num_clients} SuperNodes with --node-config 'partition-id=<0..{cfg.partition.num_clients - 1}> "
         f"num-partitions={cfg.partition.num_clients}'"
     )
+    if given.run.threads is None:
+        print(
+            f"run.threads={cfg.run.threads} (unset in the configuration: the count `fedistill run` uses on this machine, so "
+            "that the Flower run gives its numbers; with several SuperNodes on one machine, --set run.threads=1)"
+        )
     return 0
 
 

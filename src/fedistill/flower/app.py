@@ -15,7 +15,11 @@ the client's persistent state kept in ``context.state``.
 
 Node config keys (``flower-supernode --node-config '...'``): ``partition-id`` (this node's client id,
 required), ``num-partitions`` (must equal ``partition.num_clients``), ``data-dir`` (optional, local data),
-``threads`` (torch intra-op threads of the ClientApp process, default 1).
+``threads`` (torch intra-op threads of the ClientApp process; by default the run's ``run.threads``, which
+the server resolves to what ``fedistill run`` uses, so that the numbers equal the simulation's).
+
+A fedistill error in the ServerApp (a failed round, a wrong run-config key) prints one line and ends the
+Flower run as ``finished:failed``, without a traceback; ``flwr run`` itself exits 0 either way.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ from ..algorithms.base import Message
 from ..config import Config, build_config
 from ..errors import ConfigError, FedistillError, TrainingDiverged
 from .records import load_client_state, message_to_records, records_to_message, records_to_round, save_client_state
-from .settings import FlowerSettings
+from .settings import FlowerSettings, with_client_threads
 
 log = logging.getLogger("fedistill.flower")
 
@@ -165,46 +169,148 @@ def _wait_for_replies(
     return replies, failed
 
 
+def continue_command(run_dir: str | Path, extra: str = "") -> str:
+    """What to type to continue ``run_dir`` on Flower (the app directory and connection are the user's)."""
+    return f"flwr run <app> <connection> --run-config 'resume=true run-dir={json.dumps(str(run_dir))}{extra}'"
+
+
+def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(tree, dict):
+        return {prefix: tree}
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        out.update(_flat(value, f"{prefix}.{key}" if prefix else str(key)))
+    return out
+
+
+def _run_to_continue(settings: FlowerSettings, cfg: Config) -> Path:
+    """The run directory ``resume=true`` continues, checked before any work (one-line errors)."""
+    from ..engine.checkpoint import RESUMABLE_DIFFERENCES
+    from ..report.rundir import RunDirectory
+
+    if not settings.run_dir:
+        raise ConfigError(f"run config resume=true needs run-dir, the run directory to continue: {continue_command('<run directory>')}")
+    path = Path(settings.run_dir)
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"run config run-dir: {path} is a file, not a run directory; correct run-dir")
+    if not path.is_dir():
+        where = "" if path.is_absolute() else f" (a relative run-dir starts at the SuperLink's working directory, {Path.cwd()})"
+        raise ConfigError(
+            f"run config run-dir: {path} does not exist on the SuperLink machine{where}, so resume=true has nothing "
+            f"to continue; correct run-dir, or start a new run there without resume=true: "
+            f"--run-config 'run-dir={json.dumps(str(path))}'"
+        )
+    if not (path / "config.yaml").is_file():
+        raise ConfigError(
+            f"run config run-dir: {path} has no config.yaml, so it holds no fedistill run to continue; correct run-dir, "
+            "or start a new run in another directory without resume=true: --run-config 'run-dir=\"<new run directory>\"'"
+        )
+    saved_path = path / "config.yaml"
+    saved = _flat(build_config(RunDirectory(path).read_config(), {}, source=str(saved_path)).to_dict())
+    current = _flat(cfg.to_dict())
+    for key in sorted(set(saved) | set(current)):
+        if key.split(".")[0] in RESUMABLE_DIFFERENCES or saved.get(key) == current.get(key):
+            continue
+        value = saved.get(key)
+        text = str(value).lower() if isinstance(value, bool) else str(value) if isinstance(value, (int, float)) else "<value>"
+        raise ConfigError(
+            f"resume: {key} is {current.get(key)!r} in the submitted configuration but {value!r} in {saved_path}; "
+            "only rounds and run.* may change when a run is continued: submit the app that started it (or set it back "
+            f"with --run-config \"overrides='{key}={text}'\" besides resume and run-dir), or start a new run with another run-dir"
+        )
+    return path
+
+
+def _new_run_path(settings: FlowerSettings, cfg: Config) -> tuple[Path, str]:
+    """(path, run-config key that chose it) of a new run directory; an existing non-empty one is refused."""
+    if settings.run_dir:
+        path, key = Path(settings.run_dir), "run-dir"
+        if path.name in ("", ".", ".."):
+            raise ConfigError(f"run config run-dir: {settings.run_dir!r} must name the run's own directory, e.g. runs/digits-flower")
+        other = "another run-dir"
+    else:
+        default = f"{cfg.algorithm.display_name()}-{cfg.dataset.name}-flower"
+        path, key = Path(cfg.run.out_dir) / (cfg.run.name or f"{default}-{time.strftime('%Y%m%d-%H%M%S')}"), "run.name"
+        other = "another run-dir (or --run-config \"overrides='run.name=<name>'\")"
+    if path.exists() and (not path.is_dir() or any(path.iterdir())):
+        what = "a file, not a run directory" if not path.is_dir() else "a run directory that already exists"
+        raise ConfigError(f"{'run config ' if key == 'run-dir' else ''}{key}: {path} is {what}; choose {other}, or continue it with {continue_command(path)}")
+    return path, key
+
+
 def run_server(grid: Grid, cfg: Config, settings: FlowerSettings) -> dict[str, Any]:
-    """The round loop of a fedistill run on Flower; returns the summary (also written to summary.json)."""
+    """The round loop of a fedistill run on Flower; returns the summary (also written to summary.json).
+
+    Everything a user can get wrong (run directory, configuration of a continued run, dataset, partition,
+    model) is checked before anything is written. A continued run (``resume=true``) rewrites its
+    config.yaml only once its checkpoint is restored; without a checkpoint (it stopped before the first
+    one) it starts again from round 1.
+    """
     from ..engine.simulation import ServerRuntime, apply_process_settings, build_federation, round_info, summarise
     from ..models.flat import num_flat
     from ..report.plots import plot_accuracy, plot_class_distributions, plot_partition
     from ..report.rundir import RunDirectory
     from ..runner import load_dataset_for
 
+    cfg = with_client_threads(cfg)
+    if settings.resume:
+        path, key = _run_to_continue(settings, cfg), "run-dir"
+    else:
+        path, key = _new_run_path(settings, cfg)
     apply_process_settings(cfg)
     dataset = load_dataset_for(cfg)
     federation = build_federation(cfg, dataset)  # the partition statistics of the run directory
     num_clients = federation.num_clients
-    if settings.run_dir:
-        path = Path(settings.run_dir)
-        run_dir = RunDirectory(path) if settings.resume else RunDirectory.create(path.parent, path.name, path.name)
-    elif settings.resume:
-        raise ConfigError("run config resume=true needs run-dir (the run directory to continue)")
-    else:
-        run_dir = RunDirectory.create(cfg.run.out_dir, cfg.run.name, f"{cfg.algorithm.display_name()}-{cfg.dataset.name}-flower")
     # Client sizes from the server's copy of the partition (exact with partition-id nodes; with node-local
     # data-dir files the server does not know them, so FedDyn's adaptive α_k uses the partition's sizes).
     sizes = tuple(int(ix.numel()) for ix in federation.train_indices)
-    runtime = ServerRuntime(cfg, dataset, num_clients, run_dir.path, client_num_samples=sizes)
+    runtime = ServerRuntime(cfg, dataset, num_clients, path, client_num_samples=sizes)
+    note = ""
     if settings.resume:
-        runtime.restore()
-        run_dir.rewrite_metrics(runtime.state.history)  # drop rows written after the checkpoint
-    run_dir.write_config(cfg.to_dict())
+        run_dir = RunDirectory(path)
+        hint = (
+            f"allow it with {continue_command(path, ' allow-numeric-change=true')} "
+            f"(the change is recorded in {path / 'resumes.jsonl'})"
+        )
+        restored = runtime.restore(allow_numeric_change=settings.allow_numeric_change, hint=hint)
+        done = runtime.state.round
+        if restored and cfg.rounds < done:
+            raise ConfigError(
+                f"resume: {path} already has {done} rounds; rounds={cfg.rounds} cannot take them back: continue it with "
+                f"more rounds (--run-config \"overrides='rounds=<more than {done}>'\" besides resume and run-dir) "
+                "or leave rounds as they were"
+            )
+        if runtime.numeric_changes:
+            run_dir.record_resume(done, runtime.numeric_changes)
+        # Rows written after the checkpoint belong to rounds that run again (all of them without a checkpoint).
+        run_dir.rewrite_metrics(runtime.state.history if restored else [])
+        (path / "summary.json").unlink(missing_ok=True)  # the previous attempt's: this one writes its own
+        if not restored:
+            note = " (it has no checkpoint yet: starting it from round 1 with its saved configuration)"
+        elif done == cfg.rounds:
+            note = f" (all {done} rounds are done: only its summary is written again)"
+        else:
+            note = f" (resuming after round {done})"
+    else:
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            if key == "run-dir":
+                raise ConfigError(f"run config run-dir: cannot create {path} ({exc.strerror}); choose another run-dir") from None
+            raise ConfigError(
+                f"run.out_dir: cannot create {path} ({exc.strerror}); choose a run-dir, or another run.out_dir with "
+                "--run-config \"overrides='run.out_dir=<directory>'\""
+            ) from None
+        run_dir = RunDirectory.create(path.parent, path.name, path.name, continue_hint=continue_command(path))
+    if not settings.resume or runtime.state.round < cfg.rounds:
+        run_dir.write_config(cfg.to_dict())
     counts = federation.class_counts()
     run_dir.write_partition(counts)
     plot_partition(counts, run_dir.path / "partition.png", f"{cfg.partition.scheme}: {num_clients} clients")
     _say(
         f"{cfg.algorithm.display_name()} on {cfg.dataset.name}, {num_clients} clients, {cfg.clients_per_round}/round, "
-        f"{cfg.rounds} rounds -> {run_dir.path}" + (f" (resuming after round {runtime.state.round})" if settings.resume else "")
+        f"{cfg.rounds} rounds, {cfg.run.threads} thread(s) per client -> {run_dir.path}{note}"
     )
-
-    nodes = NodeMap(grid, num_clients, json.dumps(cfg.to_dict()))
-    nodes.discover(settings.discovery_timeout)
-    missing = sorted(set(range(num_clients)) - set(nodes.node_of))
-    if missing:
-        _say(f"after {settings.discovery_timeout:g}s no SuperNode holds client(s) {missing}; rounds go on without them")
 
     def finish(status: str, error: str | None = None) -> dict[str, Any]:
         history = runtime.state.history
@@ -217,6 +323,11 @@ def run_server(grid: Grid, cfg: Config, settings: FlowerSettings) -> dict[str, A
         return summary
 
     try:
+        nodes = NodeMap(grid, num_clients, json.dumps(cfg.to_dict()))
+        nodes.discover(settings.discovery_timeout)
+        missing = sorted(set(range(num_clients)) - set(nodes.node_of))
+        if missing:
+            _say(f"after {settings.discovery_timeout:g}s no SuperNode holds client(s) {missing}; rounds go on without them")
         for rnd in range(runtime.state.round + 1, cfg.rounds + 1):
             started = time.perf_counter()
             info = round_info(cfg, rnd)
@@ -252,8 +363,7 @@ def run_server(grid: Grid, cfg: Config, settings: FlowerSettings) -> dict[str, A
                     raise RoundFailed(
                         f"round {rnd}: {len(replies)} of {len(selected)} sampled clients replied, {need} needed "
                         f"(min-fraction={settings.min_fraction:g}, min-replies={settings.min_replies}): {detail}. "
-                        f"The run stops; {kept}. Restart the SuperNodes and continue with "
-                        f"--run-config 'resume=true run-dir=\"{run_dir.path}\"'"
+                        f"The run stops; {kept}. Restart the SuperNodes and continue with {continue_command(run_dir.path)}"
                     )
                 _say(f"round {rnd}: continuing with {len(replies)} of {len(selected)} clients ({detail})")
             bytes_down = sum(messages[cid].nbytes() for cid in reachable)
@@ -266,11 +376,17 @@ def run_server(grid: Grid, cfg: Config, settings: FlowerSettings) -> dict[str, A
                 + (f"accuracy {acc:.2f}%, " if acc is not None else "")
                 + f"{bytes_down} B down, {bytes_up} B up, {row['seconds']:.1f} s"
             )
-    except RoundFailed as exc:
-        finish("failed", str(exc))
-        raise
     except TrainingDiverged as exc:
         finish("diverged", str(exc))
+        raise
+    except FedistillError as exc:  # RoundFailed, FederationError: the reason, in one line
+        finish("failed", str(exc))
+        raise
+    except Exception as exc:  # anything else (a bug) still leaves a summary saying so
+        finish("failed", f"{exc.__class__.__name__}: {exc}")
+        raise
+    except (KeyboardInterrupt, SystemExit):  # `flwr stop`, Ctrl-C, SIGTERM
+        finish("stopped", "the run was stopped before its last round")
         raise
     summary = finish("finished")
     curve = [(r["round"], r["test_accuracy"]) for r in runtime.state.history if r.get("test_accuracy") is not None]
@@ -280,13 +396,46 @@ def run_server(grid: Grid, cfg: Config, settings: FlowerSettings) -> dict[str, A
     return summary
 
 
+class _NoTracebackForFedistillErrors(logging.Filter):
+    """Drops the traceback Flower logs under "ServerApp raised an exception" when the exception is a
+    fedistill error: its one-line reason was printed just before, and Flower still marks the run
+    ``finished:failed`` with the reason as its status details (``flwr ls``)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, FedistillError):
+            record.exc_info = None
+            record.exc_text = None
+            record.msg = "ServerApp stopped by the fedistill error above (%s); the run is marked failed"
+            record.args = (exc.__class__.__name__,)
+        return True
+
+
+_QUIET = _NoTracebackForFedistillErrors()
+
+
 server_app = ServerApp()
 
 
 @server_app.main()
 def server_main(grid: Grid, context: Context) -> None:
-    settings = FlowerSettings.from_run_config(context.run_config)
-    run_server(grid, settings.config(), settings)
+    """Run the configured fedistill run; a fedistill error ends it with one line and a failed Flower run.
+
+    ``flwr run`` itself exits 0 whatever the run does (it only submits, and ``--stream`` only follows the
+    logs), so a script reads the outcome from ``flwr ls`` (status ``finished:failed``) or from the run
+    directory's summary.json (README, "Failures and resume").
+    """
+    try:
+        settings = FlowerSettings.from_run_config(context.run_config)
+        run_server(grid, settings.config(), settings)
+    except FedistillError as exc:
+        _say(f"error: {exc}")
+        # Flower logs an exception leaving the ServerApp with its traceback (logger "flwr"); for our own
+        # errors that is noise above the reason. The exception still propagates: the run is "failed".
+        flower_logger = logging.getLogger("flwr")
+        if _QUIET not in flower_logger.filters:
+            flower_logger.addFilter(_QUIET)
+        raise
 
 
 # ======================================================================================= client
@@ -304,12 +453,36 @@ def _node_identity(node_config: dict[str, Any]) -> tuple[int, int, str]:
     return pid, count, str(node_config.get("data-dir", "") or "")
 
 
+def _client_threads(cfg: Config, node_config: dict[str, Any]) -> int:
+    """Torch threads of this ClientApp: node config ``threads`` if given, else the run's ``run.threads``.
+
+    The ServerApp sends ``run.threads`` resolved (see :func:`with_client_threads`), so by default every
+    client trains with the thread count of ``fedistill run`` and the numbers equal the simulation's. A
+    node's ``threads`` overrides it (e.g. fewer threads on a small machine), at the price of that equality.
+    """
+    if "threads" in node_config:
+        try:
+            threads = int(node_config["threads"])
+        except (TypeError, ValueError):
+            threads = 0
+        if threads < 1:
+            raise ConfigError(f"node config threads: must be a whole number >= 1 (got {node_config['threads']!r})")
+        return threads
+    if cfg.run.threads is not None:
+        return cfg.run.threads
+    from ..engine.executors import client_threads
+
+    return client_threads(cfg)
+
+
 def _client_runtime(config_json: str, node_config: dict[str, Any]) -> Any:
     """The ClientRuntime of this node (cached per process: the dataset is loaded and split once)."""
     pid, count, data_dir = _node_identity(node_config)
-    key = (config_json, pid, count, data_dir)
-    runtime = _CLIENT_CACHE.get(key)
-    if runtime is not None:
+    key = (config_json, pid, count, data_dir, str(node_config.get("threads", "")))
+    cached = _CLIENT_CACHE.get(key)
+    if cached is not None:
+        runtime, threads = cached
+        torch.set_num_threads(threads)  # another client's runtime in this process may have changed it
         return runtime
     from ..data.sources import load_dataset
     from ..engine.perf import keep_freed_memory_in_heap
@@ -317,7 +490,8 @@ def _client_runtime(config_json: str, node_config: dict[str, Any]) -> Any:
     from ..runner import load_dataset_for
 
     cfg = build_config(json.loads(config_json))
-    torch.set_num_threads(int(node_config.get("threads", 1)))  # one ClientApp process per core by default
+    threads = _client_threads(cfg, node_config)
+    torch.set_num_threads(threads)
     if cfg.run.tune_allocator:
         keep_freed_memory_in_heap()
     if data_dir:
@@ -337,7 +511,7 @@ def _client_runtime(config_json: str, node_config: dict[str, Any]) -> Any:
         test = {pid: fed.test_indices[pid]} if fed.test_indices is not None else None
     runtime = ClientRuntime(cfg, dataset, train, test)
     _CLIENT_CACHE.clear()
-    _CLIENT_CACHE[key] = runtime
+    _CLIENT_CACHE[key] = (runtime, threads)
     return runtime
 
 

@@ -176,13 +176,27 @@ class LocalFederation:
         except (ValueError, KeyError, TypeError):
             raise RuntimeError(f"flwr run failed (exit {done.returncode}):\n{done.stdout}\n{done.stderr}") from None
 
-    def run_status(self, run_id: int) -> str:
+    def run_info(self, run_id: int) -> dict[str, Any]:
+        """``flwr ls --run-id ID --format json``'s entry for the run (``status``, ``status-details`` ...)."""
         done = self.flwr("list", CONNECTION, "--run-id", str(run_id), "--format", "json")
         try:
-            runs = json.loads(done.stdout)["runs"]
-            return str(runs[0]["status"])
+            return dict(json.loads(done.stdout)["runs"][0])
         except (ValueError, KeyError, IndexError, TypeError):
-            return f"unknown ({done.stdout.strip()} {done.stderr.strip()})"
+            return {"status": f"unknown ({done.stdout.strip()} {done.stderr.strip()})"}
+
+    def run_status(self, run_id: int) -> str:
+        """``finished:completed``, ``finished:failed`` (a fedistill error, with the reason in
+        ``status-details``), ``running`` ...: ``flwr run`` exits 0 either way, so this is how to tell."""
+        return str(self.run_info(run_id)["status"])
+
+    def wait(self, run_id: int, timeout: float = 300.0) -> dict[str, Any]:
+        """Wait until the run has finished (completed, failed or stopped); its ``flwr ls`` entry."""
+        deadline = time.monotonic() + timeout
+        while True:
+            info = self.run_info(run_id)
+            if str(info.get("status", "")).startswith("finished") or time.monotonic() > deadline:
+                return info
+            time.sleep(0.5)
 
 
 def descendants(pid: int) -> list[int]:

@@ -5,6 +5,10 @@ imported from the environment fedistill is installed in; the app declares no dep
 a SuperLink that installs app dependencies at runtime has nothing to install (start it with
 ``--disable-runtime-dependency-installation`` anyway: see docs/flower.md). The fedistill configuration
 is carried inline (``config-json``), so the SuperLink machine needs no copy of the YAML file.
+
+An unset ``run.threads`` is written as the thread count ``fedistill run`` of the same configuration uses
+on the machine that writes the app (every core, or cores / run.workers): the ClientApps train with it, so
+the Flower run gives the numbers of ``fedistill run`` with the same configuration file, bit for bit.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from typing import Any
 import tomli_w
 
 from ..config import Config
-from .settings import DEFAULTS
+from .settings import DEFAULTS, with_client_threads
 
 APP_NAME = "fedistill-app"
 PUBLISHER = "fedistill"
@@ -30,6 +34,7 @@ def app_pyproject(cfg: Config, **settings: Any) -> dict[str, Any]:
         if name not in DEFAULTS or name in ("config-json", "config-path"):
             raise TypeError(f"app_pyproject: unknown setting {key!r} (accepted: {', '.join(DEFAULTS)})")
         run_config[name] = type(DEFAULTS[name])(value)
+    cfg = with_client_threads(cfg)  # the ClientApps' thread count, explicit: see the module docstring
     run_config["config-json"] = json.dumps(cfg.to_dict(), sort_keys=True)
     return {
         "project": {

@@ -12,13 +12,17 @@ A fedistill Message is a flat mapping of names to tensors and plain scalars. On 
   id the message is for (server to client only).
 
 The client's persistent state (a dict that may hold tensors, numbers and nested dicts) lives between
-rounds in the ClientApp's ``context.state`` as ``torch.save`` bytes in a ``ConfigRecord``. It never leaves
-the SuperNode, which is why loading it with ``weights_only=False`` is safe.
+rounds in the ClientApp's ``context.state`` as ``torch.save`` bytes in a ``ConfigRecord``. It holds only
+tensors and plain data, and is read back with ``torch.load(weights_only=True)``, like checkpoints: the
+bytes pass through Flower's state store, and a pickled object in them must never run code in the
+ClientApp. Such a record is refused with one line.
 """
 
 from __future__ import annotations
 
 import io
+import pickle
+import re
 import sys
 from typing import Any
 
@@ -26,6 +30,7 @@ import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
 
 from ..algorithms.base import Message, RoundInfo
+from ..errors import ConfigError
 
 TENSORS = "fedistill.tensors"
 SCALARS = "fedistill.scalars"
@@ -112,15 +117,35 @@ def state_to_record(state: dict[str, Any]) -> ConfigRecord:
     return ConfigRecord({"torch": buffer.getvalue()})
 
 
-def record_to_state(record: ConfigRecord | None) -> dict[str, Any]:
+def record_to_state(record: ConfigRecord | None, what: str = "client state") -> dict[str, Any]:
+    """The state :func:`state_to_record` stored; tensors and plain data only (anything else is refused)."""
     if record is None or "torch" not in record:
         return {}
-    return torch.load(io.BytesIO(record["torch"]), map_location="cpu", weights_only=False)
+    data = record["torch"]
+    if not isinstance(data, bytes):
+        raise ConfigError(f"{what} in context.state is not torch.save bytes (got {type(data).__name__}); it was not written by fedistill")
+    try:
+        state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        # weights_only refuses every pickled global that is not a tensor or plain data ("Unsupported global:
+        # GLOBAL io.open ..."), before calling it; other unpickling errors are bytes that are not a pickle.
+        found = re.search(r"Unsupported global: GLOBAL (\S+)", str(exc))
+        if found is None:
+            raise ConfigError(f"{what} in context.state cannot be read (not torch.save bytes); it is damaged") from None
+        raise ConfigError(
+            f"{what} in context.state holds objects other than tensors and plain data ({found[1]}) and was not "
+            "loaded: it was not written by fedistill, or was tampered with"
+        ) from None
+    except Exception as exc:  # truncated or empty
+        raise ConfigError(f"{what} in context.state cannot be read ({exc.__class__.__name__}); it is damaged") from None
+    if not isinstance(state, dict):
+        raise ConfigError(f"{what} in context.state is a {type(state).__name__}, not a dict; it was not written by fedistill")
+    return state
 
 
 def load_client_state(context_state: RecordDict, cid: int) -> dict[str, Any]:
     """Client ``cid``'s persistent state from a ClientApp's ``context.state`` ({} before its first round)."""
-    return record_to_state(context_state.config_records.get(f"{STATE}.{cid}"))
+    return record_to_state(context_state.config_records.get(f"{STATE}.{cid}"), f"client {cid}'s state")
 
 
 def save_client_state(context_state: RecordDict, cid: int, state: dict[str, Any]) -> None:
