@@ -152,8 +152,11 @@ def test_a_resume_that_changes_the_numbers_needs_an_explicit_flag_and_is_recorde
 
 
 def test_a_different_thread_count_per_worker_is_a_numeric_change(tmp_path, capsys, monkeypatch):
+    import fedistill.engine.executors as executors
+
     monkeypatch.setattr(os, "cpu_count", lambda: 2)
-    run = _run(tmp_path)  # workers 1, all (2) threads
+    monkeypatch.setattr(executors, "DEFAULT_THREADS", 2)
+    run = _run(tmp_path)  # workers 1, torch's default threads (2 here)
     assert main(["run", "--resume", str(run), "--rounds", "3", "--no-progress", "--set", "run.workers=2"]) == 2
     _one_line_error(capsys, "client_threads: 2 -> 1")
 

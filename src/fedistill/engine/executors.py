@@ -94,14 +94,17 @@ class ProcessPoolExecutor:
         self._pool.shutdown(wait=True, cancel_futures=True)
 
 
+# torch's own default (the physical cores it found), taken before anything in this process changes it.
+DEFAULT_THREADS = torch.get_num_threads()
+
+
 def client_threads(cfg: Any) -> int:
     """Intra-op threads of the process that trains a client: ``run.threads``, else every core for the
     sequential executor and an equal share of them per worker process. Thread count changes the order of
     floating-point reductions, so it is one of the settings a resume must keep (engine/checkpoint.py)."""
-    cores = os.cpu_count() or 1
     if cfg.run.workers == 1:
-        return cfg.run.threads or cores
-    return cfg.run.threads or max(1, cores // cfg.run.workers)
+        return cfg.run.threads or DEFAULT_THREADS
+    return cfg.run.threads or max(1, (os.cpu_count() or 1) // cfg.run.workers)
 
 
 def check_workers(cfg: Any) -> None:

@@ -108,8 +108,8 @@ def round_info(cfg: Config, rnd: int) -> RoundInfo:
 def apply_process_settings(cfg: Config) -> None:
     # With worker processes, run.threads is each worker's count; this process (aggregation, evaluation)
     # keeps all cores, since it is idle while the workers train.
-    if cfg.run.threads and cfg.run.workers == 1:
-        torch.set_num_threads(cfg.run.threads)
+    if cfg.run.workers == 1:
+        torch.set_num_threads(client_threads(cfg))  # what the checkpoint records (and the Flower writer embeds)
     if cfg.run.tune_allocator:
         keep_freed_memory_in_heap()
 

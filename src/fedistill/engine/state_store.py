@@ -133,7 +133,7 @@ class DiskStateStore(Mapping[int, dict[str, Any]]):
                 from ..errors import ConfigError
 
                 raise ConfigError(
-                    f"--resume: the checkpoint refers to client state files that are missing from {self.root} "
+                    f"resume: the checkpoint refers to client state files that are missing from {self.root} "
                     f"(clients {missing[:5]}{'...' if len(missing) > 5 else ''}); the run directory is incomplete"
                 )
         else:  # the checkpoint kept states in memory: write them out
