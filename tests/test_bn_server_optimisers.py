@@ -121,17 +121,29 @@ def test_fedavgm_with_batchnorm_learns(digits):
 
 
 def test_a_model_without_buffers_gets_the_server_optimisers_vector_unchanged():
-    """Regression guard (passes before and after): no BatchNorm, nothing is overwritten."""
+    """Regression guard (passes before and after): no BatchNorm, nothing is overwritten.
+
+    The expectation is FedAvgM written out (fedavg.md §3: β = 0.7 by default, η_s = 1, p_k = n_k / Σ n = k/6),
+    in float64, independently of ``combine`` and ``ServerMomentum``; bit-identity with what the server
+    optimiser produced is checked as well, since "unchanged" is the point of the guard.
+    """
     algorithm = make_algorithm(small_config(**{"algorithm.name": "fedavgm", "model.name": "digits_cnn"}))
+    assert algorithm.params.server_momentum == 0.7 and algorithm.params.server_lr == 1.0
     model = build_model("digits_cnn", (1, 8, 8), 10)
     assert bool(trainable_mask(model).all())
     server = ServerContext(model, {}, torch.Generator(), 10, num_clients=6)
     noise = torch.Generator().manual_seed(2)
     expected_state: dict = {}
     optimiser = algorithm.server_optimizer(server)
+    momentum = None
     for rnd in range(1, 3):
         g = get_flat(model)
         replies = {c: Message(weights=g + torch.randn(g.shape, generator=noise), num_samples=c + 1) for c in range(3)}
+        by_hand_mean = sum((c + 1) / 6 * r["weights"].double() for c, r in replies.items())
+        delta = g.double() - by_hand_mean
+        momentum = delta if momentum is None else 0.7 * momentum + delta
+        by_hand = g.double() - momentum
         expected = optimiser.step(expected_state, g, algorithm.combine(g, list(replies.values())))
         algorithm.aggregate(server, RoundInfo(rnd, 0.05), replies)
+        assert torch.allclose(get_flat(model).double(), by_hand, rtol=0.0, atol=1e-5)
         assert torch.equal(get_flat(model), expected)
