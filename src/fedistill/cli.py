@@ -137,12 +137,16 @@ def cmd_list(args: argparse.Namespace) -> int:
     from . import models as _m  # noqa: F401
     from .data import partition as _p  # noqa: F401
     from .data import sources as _s  # noqa: F401
-    from .registry import ALGORITHMS, DATASETS, MODELS, PARTITIONS
+    from .registry import ALGORITHMS, DATASETS, GENERATORS, MODELS, PARTITIONS
 
     from .runner import make_console
 
     console = make_console()
-    for title, reg in (("algorithms", ALGORITHMS), ("datasets", DATASETS), ("models", MODELS), ("partitions", PARTITIONS)):
+    registries = (
+        ("algorithms", ALGORITHMS), ("datasets", DATASETS), ("models", MODELS), ("generators", GENERATORS),
+        ("partitions", PARTITIONS),
+    )  # fmt: skip
+    for title, reg in registries:
         table = Table(title=title, show_header=False, title_justify="left")
         for name in reg.names():
             table.add_row(name, reg.describe(name))
@@ -182,7 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--download", action="store_true", help="download missing official dataset files")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="override a key in every run, e.g. run.workers=2")
 
-    sub.add_parser("list", help="list algorithms, datasets, models and partitions")
+    sub.add_parser("list", help="list algorithms, datasets, models, generators and partitions")
     return parser
 
 

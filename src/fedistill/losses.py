@@ -202,3 +202,143 @@ def label_smoothing_term(logits: torch.Tensor, labels: torch.Tensor, epsilon: fl
     uniform_ce = -log_p.mean(dim=1).mean()
     ce = F.nll_loss(log_p, labels)
     return epsilon * (uniform_ce - ce)
+
+
+# -- FedFTG: server-side data-free fine-tuning (spec/fedftg.md §3) ---------------------------------
+def customized_label_distribution(label_counts: torch.Tensor) -> torch.Tensor:
+    """FedFTG's customized label distribution (Eq. 9): ``p_t(y) = Σ_k n_k^y / Σ_k Σ_y' n_k^y'``.
+
+    ``label_counts`` is the (K, M) matrix of the selected clients' class counts; returns the (M,) float64
+    distribution. ``p_t(y) = 0`` exactly where no selected client holds class y.
+    """
+    pooled = label_counts.double().sum(dim=0)
+    total = pooled.sum()
+    if total <= 0:
+        raise ValueError("customized_label_distribution: the selected clients hold no samples")
+    return pooled / total
+
+
+def class_ensemble_weights(label_counts: torch.Tensor) -> torch.Tensor:
+    """FedFTG's class-level ensemble weights (Eq. 10): ``α^{k,y} = n_k^y / Σ_{i∈S_t} n_i^y``.
+
+    ``label_counts`` is (K, M); returns (K, M) float32 whose columns sum to 1. A class that no selected client
+    holds (reachable only with uniform label sampling) gets ``α^{k,y} = 1/K`` (card §3 (c), the zero-count
+    rule) instead of a 0/0. Computed in float64.
+    """
+    counts = label_counts.double()
+    pooled = counts.sum(dim=0, keepdim=True)
+    uniform = torch.full_like(counts, 1.0 / counts.shape[0])
+    return torch.where(pooled > 0, counts / pooled.clamp_min(1.0), uniform).float()
+
+
+def stratified_labels(n: int, class_counts: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """FedFTG's ``StratifiedLabels(N, c)`` (card §4 and ambiguity 7): N labels in proportion to ``c``, shuffled.
+
+    Integer edges ``E_y = (N · Σ_{y'≤y} c_y') // Σ c`` (exact, no float cumsum); class y gets ``E_y − E_{y−1}``
+    copies. So exactly N labels, ``|count_y − N p(y)| < 1``, and never a class with ``c_y = 0``.
+    """
+    counts = class_counts.to(torch.int64).cpu()
+    if counts.dim() != 1 or bool((counts < 0).any()) or int(counts.sum()) <= 0:
+        raise ValueError(f"stratified_labels: need non-negative counts with a positive total, got {class_counts!r}")
+    edges = (n * torch.cumsum(counts, 0)) // counts.sum()
+    per_class = torch.diff(edges, prepend=torch.zeros(1, dtype=torch.int64))
+    labels = torch.repeat_interleave(torch.arange(counts.numel()), per_class)
+    return labels[torch.randperm(n, generator=generator)]
+
+
+def ensemble_distribution(teacher_logits: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """FedFTG's class-weighted teacher ensemble ``p̄_b = Σ_k α^{k,y_b} σ(D(x̂_b; ω_k))`` (card §3 (d)).
+
+    ``teacher_logits`` is (K, B, M), ``weights`` the per-sample weights (B, K) (rows summing to 1, so every
+    ``p̄_b`` is a distribution). Built from probabilities, without logs: a zero-weight teacher is harmless.
+    """
+    probs = torch.softmax(teacher_logits.float(), dim=-1)
+    return torch.einsum("kbm,bk->bm", probs, weights.float())
+
+
+def soft_cross_entropy(student_logits: torch.Tensor, target: torch.Tensor, reduction: str = "code") -> torch.Tensor:
+    """FedFTG's student loss ``L_S = −(1/(B·M)) Σ_b Σ_c p̄_{b,c} log q_{b,c}`` (card §3 (d), ambiguity 3).
+
+    ``code``: the mean over the B×M matrix (the reference code's implicit 1/M); ``batchmean``: ``−(1/B) Σ``.
+    Its gradient equals that of ``Σ_k α^{k,y} KL(p_k ‖ q)`` (same reduction): soft CE is linear in the target and
+    the teachers' entropies are constants. Temperature 1, log_softmax, float32.
+    """
+    log_q = torch.log_softmax(student_logits.float(), dim=1)
+    total = -(target.float() * log_q).sum()
+    if reduction == "code":
+        return total / log_q.numel()
+    if reduction == "batchmean":
+        return total / log_q.shape[0]
+    raise ValueError(f"unknown student reduction {reduction!r} (code or batchmean)")
+
+
+def model_discrepancy(
+    student_logits: torch.Tensor, teacher_logits: torch.Tensor, weights: torch.Tensor, metric: str = "l1_logits"
+) -> torch.Tensor:
+    """FedFTG's per-teacher discrepancy ``L_md^k`` for the generator (card §3 (e), ambiguities 1 and 17).
+
+    ``l1_logits`` (default, reference code): ``(1/B) Σ_b α_b · (1/M) ‖D(x̂_b; ω) − stopgrad(D(x̂_b; ω_k))‖_1``;
+    ``mse``: the same with squared differences (the paper's ablation); ``kl``: ``(1/B) Σ_b α_b KL(p_k ‖ q)``
+    with gradients through both models (Eq. 4 in the teacher‖student direction). ``weights`` is α^{k,y_b}, (B,).
+    """
+    s = student_logits.float()
+    if metric == "kl":
+        log_p = torch.log_softmax(teacher_logits.float(), dim=1)
+        per_sample = (log_p.exp() * (log_p - torch.log_softmax(s, dim=1))).sum(dim=1)
+    elif metric == "l1_logits":
+        per_sample = (s - teacher_logits.detach().float()).abs().mean(dim=1)
+    elif metric == "mse":
+        per_sample = (s - teacher_logits.detach().float()).pow(2).mean(dim=1)
+    else:
+        raise ValueError(f"unknown discrepancy metric {metric!r} (l1_logits, kl or mse)")
+    return (weights.float() * per_sample).mean()
+
+
+def weighted_classification_loss(
+    teacher_logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor, weighting: str = "per_sample"
+) -> torch.Tensor:
+    """FedFTG's fidelity term ``L_cls^k`` (Eqs. 5-6; card §3 (e) and ambiguity 4).
+
+    ``per_sample`` (default): ``(1/B) Σ_b α^{k,y_b} CE(D(x̂_b; ω_k), y_b)``; ``batch_scalar`` (reference code):
+    ``mean_b α · mean_b CE``. The gradient reaches the generator through teacher k.
+    """
+    ce = F.cross_entropy(teacher_logits.float(), labels, reduction="none")
+    if weighting == "per_sample":
+        return (weights.float() * ce).mean()
+    if weighting == "batch_scalar":
+        return weights.float().mean() * ce.mean()
+    raise ValueError(f"unknown cls weighting {weighting!r} (per_sample or batch_scalar)")
+
+
+def diversity_loss(images: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """FedFTG's diversity loss ``L_dis = exp(−(1/B²) Σ_{i,j} δx_ij · δz_ij)`` (Eq. 7 in the code's form, ambiguity 5).
+
+    ``δx_ij = (1/P) ‖x̂_i − x̂_j‖_1`` over the P = C·H·W values of an image, ``δz_ij = (1/d) ‖z_i − z_j‖²``; the
+    pairs i = j are in the B² mean. ``L_dis ∈ (0, 1]``, and 1 when all images are identical. float32.
+    """
+    x = images.float().flatten(1)
+    z = noise.float().flatten(1)
+    dx = torch.cdist(x, x, p=1) / x.shape[1]
+    dz = (z[:, None, :] - z[None, :, :]).pow(2).sum(dim=-1) / z.shape[1]
+    return torch.exp(-(dx * dz).mean())
+
+
+def generator_objective(
+    discrepancy: torch.Tensor,
+    classification: torch.Tensor,
+    diversity: torch.Tensor,
+    lambda_cls: float,
+    lambda_dis: float,
+    num_teachers: int,
+    hard_sample_mining: bool = True,
+) -> torch.Tensor:
+    """FedFTG's per-teacher generator loss ``L_G^k = −L_md^k + λ_cls L_cls^k + (λ_dis/|S_t|) L_dis`` (card §3 (e)).
+
+    The generator minimises it, i.e. maximises the discrepancy (hard samples, Eq. 8). Over one pass through the
+    |S_t| teachers the diversity term adds up to ``λ_dis L_dis``. ``hard_sample_mining=False`` drops ``−L_md``
+    (card ambiguity 17).
+    """
+    loss = lambda_cls * classification + (lambda_dis / num_teachers) * diversity
+    if hard_sample_mining:
+        loss = loss - discrepancy
+    return loss

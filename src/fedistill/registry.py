@@ -1,4 +1,4 @@
-"""Name -> factory registries (timm style) for datasets, models, partitions and algorithms.
+"""Name -> factory registries (timm style) for datasets, models, generators, partitions and algorithms.
 
 The CLI lists them (``fedistill list``) and the config resolves names through them, so an unknown name
 is reported with the allowed choices instead of a KeyError from deep inside.
@@ -54,5 +54,6 @@ class Registry(Generic[T]):
 
 DATASETS: Registry = Registry("dataset")
 MODELS: Registry = Registry("model")
+GENERATORS: Registry = Registry("generator")  # server-side image generators (models/generators.py), not classifiers
 PARTITIONS: Registry = Registry("partition")
 ALGORITHMS: Registry = Registry("algorithm")

@@ -13,9 +13,10 @@ rule, a correction of the aggregate, a server optimiser and server-state updates
         fedavgm: {server_momentum: 0.9}
 
 :class:`Composite` calls every part's hooks: loss terms are summed, logit transforms and gradient
-corrections are chained in the listed order, reply and broadcast fields are merged, server-state updates
-all run. An aggregation rule (FedNova) and a server optimiser (FedAvgM, FedAdam) can each come from one part
-only; two parts that both define one are refused, since there is no single meaning for "both".
+corrections are chained in the listed order, reply and broadcast fields are merged, server refiners
+(FedFTG) run in the listed order, server-state updates all run. An aggregation rule (FedNova) and a server
+optimiser (FedAvgM, FedAdam) can each come from one part only; two parts that both define one are refused,
+since there is no single meaning for "both".
 
 Settings every part has (FedAvg's ``weighting`` and ``grad_clip``) take one value for the whole combination,
 resolved per setting in this order, and then written into every part's parameters (and the composite's own),
@@ -156,6 +157,10 @@ class Composite(FedAvg):
 
     def broadcast_extras(self, server: ServerContext, info: RoundInfo, cid: int) -> dict[str, Any]:
         return self._merge("broadcast", [p.broadcast_extras(server, info, cid) for p in self.parts])
+
+    def refine(self, server: ServerContext, info: RoundInfo, replies: list[Message], cids: list[int]) -> dict[str, float]:
+        # In the listed order: each refiner starts from the model the previous one left.
+        return self._merge("metric", [p.refine(server, info, replies, cids) for p in self.parts])
 
     def after_aggregate(self, server: ServerContext, info: RoundInfo, replies: list[Message], cids: list[int]) -> dict[str, float]:
         return self._merge("metric", [p.after_aggregate(server, info, replies, cids) for p in self.parts])

@@ -64,6 +64,11 @@ class FedAvg(Algorithm):
         """Fields sent with the weights (SCAFFOLD: the server control variate; FedCurv: the others' stats)."""
         return {}
 
+    def refine(self, server: ServerContext, info: RoundInfo, replies: list[Message], cids: list[int]) -> dict[str, float]:
+        """A server refiner: change ``server.model`` after aggregation, before :meth:`after_aggregate` (FedFTG's
+        data-free fine-tuning); returns metrics. FedAvg: nothing."""
+        return {}
+
     def after_aggregate(self, server: ServerContext, info: RoundInfo, replies: list[Message], cids: list[int]) -> dict[str, float]:
         """Server-state updates once the new global model is set (SCAFFOLD's c, FedCurv's stored stats)."""
         return {}
@@ -83,7 +88,10 @@ class FedAvg(Algorithm):
         new_global = self.server_optimizer(server).step(server.state, global_vec, combined)
         set_flat(server.model, self._average_statistics(server, new_global, ordered))
         self._broadcast_round = None
-        return self.after_aggregate(server, info, ordered, cids)
+        # A server refiner (FedFTG) changes the new global model before the base method's server state is
+        # updated, so that state refers to the model actually broadcast (spec/fedftg.md ambiguity 13).
+        metrics = self.refine(server, info, ordered, cids)
+        return {**metrics, **self.after_aggregate(server, info, ordered, cids)}
 
     def _average_statistics(
         self, server: ServerContext, new_global: torch.Tensor, replies: list[Message]

@@ -12,6 +12,9 @@ import torch
 
 # Purpose tags keep the streams of different components apart.
 INIT, SAMPLING, CLIENT, SERVER = 0, 1, 2, 3
+# Server refiners: each has its own tag; its round-t stream is make_generator(seed, TAG, t) and its
+# initial weights come from derive_seed(seed, TAG, 0) (rounds are 1-based, so 0 never clashes).
+FEDFTG = 4
 
 
 def derive_seed(seed: int, *coords: int) -> int:

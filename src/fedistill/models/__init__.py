@@ -4,11 +4,15 @@ Registered names: ``cnn`` (FedAvg/FedNTD/FedLMD CNN), ``digits_cnn`` (tiny CNN f
 (2NN), ``resnet8`` (CIFAR-style), ``resnet18`` (cifar or imagenet stem), ``mobilenet_v2``. Create one with
 :func:`build_model`; every model is a :class:`ClassifierModel` (``extract`` -> features, ``classify`` ->
 logits). Any of them takes ``projection_dim`` for MOON's projection head (:class:`ProjectedClassifier`).
+
+Server-side image generators (``cgenerator``, ``generator``) are not classifiers: they are registered in
+:data:`fedistill.registry.GENERATORS` and built with :func:`build_generator` (:mod:`.generators`).
 """
 
-from . import cnn, mlp, mobilenet, resnet  # noqa: F401  (imported for their registrations)
+from . import cnn, generators, mlp, mobilenet, resnet  # noqa: F401  (imported for their registrations)
 from .base import ClassifierModel
 from .cnn import DigitsCNN, FedAvgNet
+from .generators import CGeneratorA, GeneratorA, build_generator
 from .mlp import MLP
 from .projection import ProjectedClassifier, has_projection_head
 from .registry import build_model, model_options
@@ -16,12 +20,15 @@ from .resnet import BasicBlock, ResNet
 
 __all__ = [
     "BasicBlock",
+    "CGeneratorA",
     "ClassifierModel",
     "DigitsCNN",
     "FedAvgNet",
+    "GeneratorA",
     "MLP",
     "ProjectedClassifier",
     "ResNet",
+    "build_generator",
     "build_model",
     "has_projection_head",
     "model_options",

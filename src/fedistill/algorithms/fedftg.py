@@ -1,0 +1,309 @@
+"""FedFTG (Zhang et al., CVPR 2022): data-free fine-tuning of the global model on the server. Card: spec/fedftg.md.
+
+Clients train exactly as in the base method and add their label histogram ``n_k`` (M integers) to the reply.
+After aggregation the server refines the new global model (the student) before it is broadcast: a
+conditional generator (``cgenerator``, kept across rounds in ``server.state``) is trained to produce inputs on
+which the student and the round's client models (the teachers) disagree, while staying recognisable to the
+teachers and diverse; the student is then distilled toward the class-weighted teacher ensemble on those
+inputs (card §4, ``ServerFineTune``).
+
+It is an ingredient: ``algorithm.name: fedftg`` is FedAvg + FTG, and ``algorithm.plus: {fedftg: {...}}`` adds
+it to any parameter-averaging method (SCAFFOLD, FedProx, FedDyn, MOON, FedLMD, FedNova, FedAvgM...). The
+fine-tune runs in :meth:`refine`, after the server optimiser and before the base method's server-state update,
+so e.g. SCAFFOLD's control variate refers to the model actually broadcast (card ambiguity 13).
+
+Randomness: the round's labels and noise come from ``make_generator(seed, FEDFTG, round)`` and the generator's
+initial weights from ``derive_seed(seed, FEDFTG, 0)``, so a resumed run equals an uninterrupted one. Optimisers
+are created fresh every round (card ambiguity 14); only the generator's weights persist, as a flat tensor.
+
+Speed: the teachers are never materialised as modules. One template module (a copy of the global model,
+made once) evaluates any teacher with ``torch.func.functional_call`` on views of the uploaded flat vectors,
+and the ensemble target ``p̄`` is one batched (vmapped) pass over all teachers. Teachers run under ``no_grad``
+except where a gradient must flow through them to the generator (``L_cls``, or ``md_metric_gen="kl"``).
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from typing import Any, Literal
+
+import torch
+from pydantic import Field, field_validator
+from torch import nn
+from torch.func import functional_call, vmap
+
+from ..engine.seeding import FEDFTG, derive_seed, make_generator
+from ..losses import (
+    class_ensemble_weights,
+    diversity_loss,
+    ensemble_distribution,
+    generator_objective,
+    model_discrepancy,
+    soft_cross_entropy,
+    stratified_labels,
+    weighted_classification_loss,
+)
+from ..models.flat import float_state, get_flat, set_flat
+from ..models.generators import build_generator
+from ..registry import ALGORITHMS
+from .base import ClientContext, Message, RoundInfo, ServerContext
+from .fedavg import FedAvg, FedAvgParams
+from .local import LocalResult, autocast_context
+
+GENERATOR_KEY = "fedftg_generator"  # server.state: the generator's flat weights (BN statistics included)
+
+
+class FedFTGParams(FedAvgParams):
+    iterations: int = Field(10, ge=0, description="I: generator/student rounds of the fine-tune (0 = the base method)")
+    generator_steps: int = Field(1, ge=0, description="I_g: passes over the teachers per iteration, one step each")
+    student_steps: int = Field(5, ge=0, description="I_d: student SGD steps per iteration on the same pseudo batch")
+    batch_size: int = Field(50, ge=1, description="B: pseudo samples per iteration")
+    lambda_cls: float = Field(1.0, ge=0.0, description="λ_cls: weight of the teachers' CE on the pseudo labels")
+    lambda_dis: float = Field(1.0, ge=0.0, description="λ_dis: weight of the diversity loss")
+    noise_dim: int = Field(100, ge=1, description="d: noise size (card: 100 for CIFAR-10, 256 for CIFAR-100)")
+    generator_width: int = Field(64, ge=1, description="ngf of the CGeneratorA")
+    student_lr: float = Field(0.1, gt=0.0, description="student SGD lr at round 1, times lr_decay^(t-1)")
+    generator_lr: float = Field(0.01, gt=0.0, description="generator Adam lr at round 1, times lr_decay^(t-1)")
+    lr_decay: float = Field(0.998, gt=0.0, le=1.0, description="per-round decay of both lrs (card ambiguity 10)")
+    student_weight_decay: float = Field(1e-3, ge=0.0, description="student SGD weight decay (no momentum)")
+    md_metric_gen: Literal["l1_logits", "kl", "mse"] = Field(
+        "l1_logits", description="the generator's discrepancy L_md (ambiguity 1; mse is the Table 4 ablation)"
+    )
+    hard_sample_mining: bool = Field(True, description="False drops −L_md from the generator loss (Table 4)")
+    label_sampling: Literal["customized", "uniform"] = Field("customized", description="p_t of Eq. 9, or uniform")
+    ensemble: Literal["class", "uniform"] = Field("class", description="α of Eq. 10, or 1/|S_t|")
+    cls_weighting: Literal["per_sample", "batch_scalar"] = Field(
+        "per_sample", description="α inside L_cls per sample (Eq. 5) or the code's mean(α)·mean(CE) (ambiguity 4)"
+    )
+    student_reduction: Literal["code", "batchmean"] = Field(
+        "code", description="student soft-CE over B·M (code) or over B (ambiguity 3)"
+    )
+    freeze_student_bn_stats: bool = Field(
+        False, description="student BatchNorm in eval mode while distilling: keeps the real-data running stats"
+    )
+    level: Literal["image", "feature"] = Field("image", description="image-level FTG (feature level not built yet)")
+
+    @field_validator("level")
+    @classmethod
+    def _image_only(cls, value: str) -> str:
+        if value != "image":
+            raise ValueError(
+                "level 'feature' (FedFTG(F), Table 5: the generator emits penultimate features and only the last "
+                "layer is tuned) is not built yet; use level: image"
+            )
+        return value
+
+
+class TeacherEnsemble:
+    """The round's client models as parameter dicts over one reusable template module.
+
+    The template is a deep copy of the global model made once (eval mode, no gradients); a teacher is a set of
+    views into the stacked uploaded vectors, evaluated with ``functional_call``: no module per teacher, no
+    weight copy per step, and the uploads themselves are never written (card §7: teachers unchanged).
+    """
+
+    def __init__(self) -> None:
+        self._template: nn.Module | None = None
+        self._names: list[str] = []
+        self._shapes: list[torch.Size] = []
+        self.members: list[dict[str, torch.Tensor]] = []
+        self.stacked: dict[str, torch.Tensor] = {}
+        self._batched_ok: bool | None = None
+
+    def load(self, model: nn.Module, vectors: list[torch.Tensor], device: torch.device) -> "TeacherEnsemble":
+        template = self._template
+        if template is None or sum(s.numel() for s in self._shapes) != vectors[0].numel():
+            template = copy.deepcopy(model).to(device).requires_grad_(False).eval()
+            state = template.state_dict(keep_vars=True)
+            self._names = [name for name, t in state.items() if t.is_floating_point()]
+            self._shapes = [t.shape for t in float_state(template)]
+            self._template, self._batched_ok = template, None
+        stacked = torch.stack([v.float() for v in vectors]).to(device)  # (K, P): a copy, the replies stay as sent
+        self.stacked, offset = {}, 0
+        for name, shape in zip(self._names, self._shapes):
+            n = shape.numel()
+            self.stacked[name] = stacked[:, offset : offset + n].view(len(vectors), *shape)
+            offset += n
+        self.members = [{name: t[k] for name, t in self.stacked.items()} for k in range(len(vectors))]
+        return self
+
+    def __len__(self) -> int:
+        return len(self.members)
+
+    def logits(self, k: int, x: torch.Tensor) -> torch.Tensor:
+        """Teacher k's logits (eval mode); differentiable in ``x`` when called with grad enabled."""
+        assert self._template is not None
+        return functional_call(self._template, self.members[k], (x,))
+
+    def all_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """(K, B, M) logits of every teacher on the same batch: one vmapped pass where the model allows it."""
+        assert self._template is not None
+        template = self._template
+        if self._batched_ok is not False:
+            try:
+                out = vmap(lambda params: functional_call(template, params, (x,)))(self.stacked)
+                self._batched_ok = True
+                return out
+            except Exception:  # an op without a batching rule: the loop gives the same values
+                if self._batched_ok:
+                    raise
+                self._batched_ok = False
+        return torch.stack([self.logits(k, x) for k in range(len(self))])
+
+
+@ALGORITHMS.register("fedftg")
+class FedFTG(FedAvg):
+    """FedFTG: the base method's aggregate, fine-tuned on the server by hard-sample data-free distillation."""
+
+    name = "fedftg"
+    Params = FedFTGParams
+
+    def __init__(self, params: FedFTGParams, local: Any) -> None:
+        super().__init__(params, local)
+        self._generator: nn.Module | None = None
+        self._teachers = TeacherEnsemble()
+
+    # -- client ---------------------------------------------------------------------------------
+    def reply_extras(self, client: ClientContext, info: RoundInfo, msg: Message, result: LocalResult) -> dict[str, Any]:
+        # n_k: M integers per round (the card's "every round" case; counted in the upload bytes).
+        labels = client.data.dataset.train_y[client.train_indices]
+        return {"label_counts": torch.bincount(labels.cpu(), minlength=client.data.num_classes).to(torch.int64)}
+
+    # -- server ---------------------------------------------------------------------------------
+    def init_server(self, server: ServerContext) -> None:
+        if len(server.input_shape) == 3:  # else made on first use (a bare ServerContext in a test)
+            server.state[GENERATOR_KEY] = get_flat(self._initial_generator(server))
+
+    def _initial_generator(self, server: ServerContext) -> nn.Module:
+        """θ⁰ from its own seeded stream (global RNG untouched), identical on every (re)start."""
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(derive_seed(server.seed, FEDFTG, 0))
+            return build_generator(
+                "cgenerator", server.input_shape, server.num_classes,
+                noise_dim=self.params.noise_dim, ngf=self.params.generator_width,
+            )  # fmt: skip
+
+    def _load_generator(self, server: ServerContext) -> nn.Module:
+        if GENERATOR_KEY not in server.state:
+            server.state[GENERATOR_KEY] = get_flat(self._initial_generator(server))
+        if self._generator is None:
+            self._generator = self._initial_generator(server).to(server.device)
+        set_flat(self._generator, server.state[GENERATOR_KEY])
+        return self._generator
+
+    def refine(self, server: ServerContext, info: RoundInfo, replies: list[Message], cids: list[int]) -> dict[str, float]:
+        p = self.params
+        if p.iterations == 0:
+            return {}  # the base method's round, bit for bit; the generator is not touched
+        started = time.perf_counter()
+        counts = torch.stack([r["label_counts"].to(torch.int64) for r in replies])  # (K, M)
+        generator = self._load_generator(server)
+        teachers = self._teachers.load(server.model, [r["weights"] for r in replies], server.device)
+        metrics = server_fine_tune(
+            server.model, generator, teachers, counts, p,
+            rng=make_generator(server.seed, FEDFTG, info.round),
+            lr_scale=p.lr_decay ** (info.round - 1),
+            precision=server.precision,
+        )  # fmt: skip
+        server.state[GENERATOR_KEY] = get_flat(generator)
+        teachers.members, teachers.stacked = [], {}  # free the round's stacked uploads
+        return {**metrics, "fedftg_refine_seconds": time.perf_counter() - started}
+
+
+def server_fine_tune(
+    student: nn.Module,
+    generator: nn.Module,
+    teachers: TeacherEnsemble,
+    label_counts: torch.Tensor,
+    p: FedFTGParams,
+    rng: torch.Generator,
+    lr_scale: float = 1.0,
+    precision: str = "fp32",
+) -> dict[str, float]:
+    """Card §4 ``ServerFineTune``: I iterations of (I_g generator passes, I_d student steps), in place.
+
+    ``label_counts`` is the (K, M) matrix of the teachers' ``n_k`` in teacher order. Returns the mean generator
+    discrepancy L_md and the mean student loss L_S over the steps taken (absent when no such step ran).
+    """
+    device = next(student.parameters()).device
+    num_teachers, num_classes = label_counts.shape
+    # α^{k,y} (Eq. 10 or uniform) and the pooled counts that p_t follows (Eq. 9 or uniform).
+    if p.ensemble == "class":
+        alpha_table = class_ensemble_weights(label_counts)
+    else:
+        alpha_table = torch.full((num_teachers, num_classes), 1.0 / num_teachers)
+    pooled = label_counts.sum(dim=0) if p.label_sampling == "customized" else torch.ones(num_classes, dtype=torch.int64)
+    labels = stratified_labels(p.iterations * p.batch_size, pooled, rng)
+    alpha_table = alpha_table.to(device)
+
+    student_params = [q for q in student.parameters() if q.requires_grad]
+    generator_params = [q for q in generator.parameters() if q.requires_grad]
+    # Fresh optimisers every round (card ambiguity 14): plain SGD for ω, Adam for θ.
+    opt_student = torch.optim.SGD(student_params, lr=p.student_lr * lr_scale, weight_decay=p.student_weight_decay)
+    opt_generator = torch.optim.Adam(generator_params, lr=p.generator_lr * lr_scale, betas=(0.9, 0.999))
+    # A gradient must flow through a teacher only for L_cls and for the KL discrepancy.
+    teacher_grad = p.lambda_cls > 0 or p.md_metric_gen == "kl"
+    student_was_training = student.training
+    md_sum = torch.zeros((), device=device)
+    ls_sum = torch.zeros((), device=device)
+    md_count = ls_count = 0
+
+    def autocast():
+        return autocast_context(precision, device)
+
+    for i in range(p.iterations):
+        y = labels[i * p.batch_size : (i + 1) * p.batch_size].to(device)
+        z = torch.randn(p.batch_size, p.noise_dim, generator=rng).to(device)
+        alpha = alpha_table[:, y].T  # (B, K): α^{k, y_b}
+
+        # Generator phase: student frozen in eval mode; one Adam step per teacher, fresh forward each time.
+        generator.train()
+        student.eval()
+        for _ in range(p.generator_steps):
+            for k in range(num_teachers):
+                with autocast():
+                    x = generator(z, y)
+                    student_logits = student(x)
+                    with torch.set_grad_enabled(teacher_grad):
+                        teacher_logits = teachers.logits(k, x)
+                md = model_discrepancy(student_logits, teacher_logits, alpha[:, k], p.md_metric_gen)
+                cls = (
+                    weighted_classification_loss(teacher_logits, y, alpha[:, k], p.cls_weighting)
+                    if p.lambda_cls > 0 else md.new_zeros(())
+                )  # fmt: skip
+                dis = diversity_loss(x, z) if p.lambda_dis > 0 else md.new_zeros(())
+                loss = generator_objective(
+                    md, cls, dis, p.lambda_cls, p.lambda_dis, num_teachers, hard_sample_mining=p.hard_sample_mining
+                )
+                md_sum += md.detach()
+                md_count += 1
+                if not loss.requires_grad:
+                    continue  # every term switched off: nothing to learn from
+                opt_generator.zero_grad(set_to_none=True)
+                # Gradients for θ only: the student and the teachers stay frozen (no .grad written to them).
+                loss.backward(inputs=generator_params)
+                opt_generator.step()
+
+        # Student phase: the generator in eval mode makes one batch, the ensemble target is computed once.
+        generator.eval()
+        with torch.no_grad(), autocast():
+            x = generator(z, y)
+            target = ensemble_distribution(teachers.all_logits(x), alpha)
+        student.train(not p.freeze_student_bn_stats)
+        for _ in range(p.student_steps):
+            with autocast():
+                student_logits = student(x)
+            loss = soft_cross_entropy(student_logits, target, p.student_reduction)
+            opt_student.zero_grad(set_to_none=True)
+            loss.backward()
+            opt_student.step()
+            ls_sum += loss.detach()
+            ls_count += 1
+    student.train(student_was_training)
+    metrics = {}
+    if md_count:
+        metrics["fedftg_md"] = float(md_sum) / md_count
+    if ls_count:
+        metrics["fedftg_student_loss"] = float(ls_sum) / ls_count
+    return metrics

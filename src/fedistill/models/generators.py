@@ -1,0 +1,132 @@
+"""Image generators for server-side data-free distillation (FedFTG, FedDF-style refiners).
+
+They are not classifiers, so they have their own registry, :data:`fedistill.registry.GENERATORS`
+(``fedistill list`` shows it beside the models). Every factory has the signature
+``fn(output_shape, num_classes, noise_dim=100, ngf=64) -> nn.Module`` and the module's forward is
+``generator(z, y)`` with ``z`` of shape ``(B, noise_dim)`` and ``y`` the class indices ``(B,)`` (ignored by
+an unconditional generator).
+
+``generator`` is DFAD's GeneratorA (Fang et al. 2019; spec/fedftg.md §3 "Unconditional DFAD GeneratorA"):
+one linear layer from z to a ``2·ngf × s × s`` map with ``s = side / 4``, BN, nearest upsampling x2 twice with
+3x3 convolutions, BN and LeakyReLU(0.2) between them, a last 3x3 convolution to the image channels, Tanh, and a
+BatchNorm without affine parameters that standardises every output channel.
+
+``cgenerator`` is FedFTG's CGeneratorA (spec/fedftg.md §3): the same body, but the ``2·ngf`` input channels
+come half from ``Linear(z)`` (channels ``0..ngf-1``) and half from ``Linear(onehot(y))`` (``ngf..2ngf-1``).
+
+==========================  ===============  ==========
+generator                   output           parameters
+==========================  ===============  ==========
+cgenerator, d=100, M=10     3x32x32          682,499
+cgenerator, d=256, M=100    3x32x32          1,690,115
+generator, d=100            3x32x32          1,051,139
+generator, d=100            1x28x28          856,065
+==========================  ===============  ==========
+
+Any square output whose side is a multiple of 4 is accepted (8x8 digits: s = 2).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..errors import ConfigError
+from ..registry import GENERATORS
+from .base import check_input_shape, check_num_classes, check_positive_ints
+
+
+def _seed_side(name: str, output_shape: Sequence[int]) -> tuple[tuple[int, int, int], int]:
+    shape = check_input_shape(output_shape)
+    _, h, w = shape
+    if h != w or h % 4 != 0:
+        raise ConfigError(
+            f"generator {name!r} makes square images whose side is a multiple of 4, got {h}x{w} (output_shape={shape})"
+        )
+    return shape, h // 4
+
+
+class _Body(nn.Module):
+    """DFAD's trunk from a ``(B, 2·ngf, s, s)`` map to a ``(B, nc, 4s, 4s)`` image (card §3)."""
+
+    def __init__(self, ngf: int, channels: int) -> None:
+        super().__init__()
+        self.bn0 = nn.BatchNorm2d(2 * ngf)
+        self.conv1 = nn.Conv2d(2 * ngf, 2 * ngf, 3, padding=1)
+        self.bn1 = nn.BatchNorm2d(2 * ngf)
+        self.conv2 = nn.Conv2d(2 * ngf, ngf, 3, padding=1)
+        self.bn2 = nn.BatchNorm2d(ngf)
+        self.conv3 = nn.Conv2d(ngf, channels, 3, padding=1)
+        # Standardises each output channel like the mean/std-normalised real inputs (no learnable scale).
+        self.out_norm = nn.BatchNorm2d(channels, affine=False)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        h = F.interpolate(self.bn0(h), scale_factor=2, mode="nearest")
+        h = F.leaky_relu(self.bn1(self.conv1(h)), 0.2)
+        h = F.interpolate(h, scale_factor=2, mode="nearest")
+        h = F.leaky_relu(self.bn2(self.conv2(h)), 0.2)
+        return self.out_norm(torch.tanh(self.conv3(h)))
+
+
+class GeneratorA(nn.Module):
+    """DFAD's unconditional GeneratorA: ``Linear(d → 2·ngf·s²)`` then the shared trunk."""
+
+    conditional = False
+
+    def __init__(self, output_shape: Sequence[int], noise_dim: int = 100, ngf: int = 64) -> None:
+        super().__init__()
+        self.output_shape, self.side = _seed_side("generator", output_shape)
+        (self.noise_dim,) = check_positive_ints("generator", "noise_dim", noise_dim, length=1)
+        (self.ngf,) = check_positive_ints("generator", "ngf", ngf, length=1)
+        self.l1 = nn.Linear(self.noise_dim, 2 * self.ngf * self.side**2)
+        self.body = _Body(self.ngf, self.output_shape[0])
+
+    def forward(self, z: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
+        h = self.l1(z).view(z.shape[0], 2 * self.ngf, self.side, self.side)
+        return self.body(h)
+
+
+class CGeneratorA(nn.Module):
+    """FedFTG's conditional CGeneratorA: ``[Linear(z) ; Linear(onehot(y))]`` reshaped, then the trunk."""
+
+    conditional = True
+
+    def __init__(self, output_shape: Sequence[int], num_classes: int, noise_dim: int = 100, ngf: int = 64) -> None:
+        super().__init__()
+        self.output_shape, self.side = _seed_side("cgenerator", output_shape)
+        self.num_classes = check_num_classes(num_classes)
+        (self.noise_dim,) = check_positive_ints("cgenerator", "noise_dim", noise_dim, length=1)
+        (self.ngf,) = check_positive_ints("cgenerator", "ngf", ngf, length=1)
+        width = self.ngf * self.side**2
+        self.l1 = nn.Linear(self.noise_dim, width)
+        self.l2 = nn.Linear(self.num_classes, width)
+        self.body = _Body(self.ngf, self.output_shape[0])
+
+    def forward(self, z: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
+        if y is None:
+            raise ValueError("cgenerator needs the class labels y")
+        onehot = F.one_hot(y, self.num_classes).to(z.dtype)
+        # z part first: channels 0..ngf-1 come from the noise, ngf..2ngf-1 from the label (card §3).
+        h = torch.cat([self.l1(z), self.l2(onehot)], dim=1)
+        return self.body(h.view(z.shape[0], 2 * self.ngf, self.side, self.side))
+
+
+@GENERATORS.register("cgenerator")
+def cgenerator(output_shape: Sequence[int], num_classes: int, noise_dim: int = 100, ngf: int = 64) -> CGeneratorA:
+    """FedFTG's conditional CGeneratorA (z and one-hot y, DFAD trunk, affine-free output BN)."""
+    return CGeneratorA(output_shape, num_classes, noise_dim=noise_dim, ngf=ngf)
+
+
+@GENERATORS.register("generator")
+def generator(output_shape: Sequence[int], num_classes: int, noise_dim: int = 100, ngf: int = 64) -> GeneratorA:
+    """DFAD's unconditional GeneratorA (z only; num_classes is ignored)."""
+    return GeneratorA(output_shape, noise_dim=noise_dim, ngf=ngf)
+
+
+def build_generator(name: str, output_shape: Sequence[int], num_classes: int, /, **kwargs: Any) -> nn.Module:
+    """Generator ``name`` for images of ``output_shape`` (C, H, W); unknown names are a ConfigError."""
+    fn = GENERATORS.get(name, key="generator")
+    return fn(output_shape, num_classes, **kwargs)
