@@ -374,7 +374,9 @@ def test_app_writer_and_client_thread_count():
         return json.loads(app_pyproject(cfg)["tool"]["flwr"]["app"]["config"]["config-json"])["run"]["threads"]
 
     unset = flower_config(**{"run.threads": None})
-    assert embedded(unset) == client_threads(unset) == (os.cpu_count() or 1)
+    from fedistill.engine.executors import DEFAULT_THREADS
+
+    assert embedded(unset) == client_threads(unset) == DEFAULT_THREADS  # torch's own default, as `fedistill run`
     assert embedded(flower_config(**{"run.threads": None, "run.workers": 2})) == max(1, (os.cpu_count() or 1) // 2)
     assert embedded(flower_config(**{"run.threads": 3})) == 3
     # The ClientApp trains with the run's count; a node's threads key overrides it explicitly.
@@ -516,6 +518,8 @@ def test_client_with_its_own_data_dir_trains_on_its_whole_local_split(tmp_path, 
         {"name": "moon"},
         # the Tf -> LMD switch reads the round on the client; a combination sends every part's fields
         {"name": "fedlmd", "switch_round": 1, "plus": {"fedcurv": {"own_stats": "client"}, "fedavgm": {}}},
+        # a server refiner: label counts travel as tensors, the generator lives in server state (issue 10)
+        {"name": "scaffold", "plus": {"fedftg": {"iterations": 2, "batch_size": 16, "generator_width": 16}}},
     ],
 )
 def test_stateful_algorithms_keep_client_state_in_context_state(tmp_path, keep_threads, task_identity, algorithm):
