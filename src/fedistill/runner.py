@@ -92,15 +92,7 @@ def run_experiment(
                 f"resume: {run_dir.path} already has {done} rounds; --rounds {cfg.rounds} cannot take them back "
                 f"(give --rounds above {done} to continue it, or leave --rounds out)"
             )
-        if sim.server_runtime.numeric_changes:
-            run_dir.record_resume(done, sim.server_runtime.numeric_changes)
-        run_dir.rewrite_metrics(sim.state.history)  # drop rows written after the checkpoint
-        if not restored:
-            note = " (it has no checkpoint yet: starting it from round 1 with its saved configuration)"
-        elif done == cfg.rounds:
-            note = f" (all {done} rounds are done: only its summary is written again)"
-        else:
-            note = f" (resuming after round {done})"
+        note = run_dir.begin_resume(sim.state.history, restored, cfg.rounds, sim.server_runtime.numeric_changes)
     if sim.state.round < cfg.rounds or not resume:
         run_dir.write_config(cfg.to_dict())
     counts = sim.federation.class_counts()

@@ -280,17 +280,7 @@ def run_server(grid: Grid, cfg: Config, settings: FlowerSettings) -> dict[str, A
                 f"more rounds (--run-config \"overrides='rounds=<more than {done}>'\" besides resume and run-dir) "
                 "or leave rounds as they were"
             )
-        if runtime.numeric_changes:
-            run_dir.record_resume(done, runtime.numeric_changes)
-        # Rows written after the checkpoint belong to rounds that run again (all of them without a checkpoint).
-        run_dir.rewrite_metrics(runtime.state.history if restored else [])
-        (path / "summary.json").unlink(missing_ok=True)  # the previous attempt's: this one writes its own
-        if not restored:
-            note = " (it has no checkpoint yet: starting it from round 1 with its saved configuration)"
-        elif done == cfg.rounds:
-            note = f" (all {done} rounds are done: only its summary is written again)"
-        else:
-            note = f" (resuming after round {done})"
+        note = run_dir.begin_resume(runtime.state.history, restored, cfg.rounds, runtime.numeric_changes)
     else:
         try:
             path.mkdir(parents=True, exist_ok=True)

@@ -93,6 +93,24 @@ class RunDirectory:
 
         return parse_yaml_text(path, _read_text(path), what=f"{path}")
 
+    def begin_resume(self, history: list[dict[str, Any]], restored: bool, rounds: int, changes: list[str]) -> str:
+        """Make the directory match the restored state before a resumed run goes on; returns a note to print.
+
+        Rows written after the checkpoint belong to rounds that run again (all rows, without a checkpoint);
+        the previous attempt's ``summary.json`` goes, since this attempt writes its own (a missing summary
+        means the run is not finished); allowed result-changing settings are recorded.
+        """
+        done = len(history) and int(history[-1]["round"])
+        if changes:
+            self.record_resume(done, changes)
+        self.rewrite_metrics(history)
+        (self.path / "summary.json").unlink(missing_ok=True)
+        if not restored:
+            return " (it has no checkpoint yet: starting it from round 1 with its saved configuration)"
+        if done == rounds:
+            return f" (all {done} rounds are done: only its summary is written again)"
+        return f" (resuming after round {done})"
+
     def record_resume(self, round_: int, changes: list[str]) -> None:
         """``resumes.jsonl``: each resume that was allowed to change a result-changing setting."""
         entry = {"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "after_round": round_, "changed": changes}
