@@ -342,3 +342,80 @@ def generator_objective(
     if hard_sample_mining:
         loss = loss - discrepancy
     return loss
+
+
+# -- FedDF and FedGen (spec/feddf.md, spec/fedgen.md) -------------------------------------------------------
+
+
+def ensemble_target(teacher_logits: torch.Tensor, scheme: str = "avg_logits", tau: float = 1.0) -> torch.Tensor:
+    """The teachers' soft target from logits of shape ``(K, B, M)`` (spec/feddf.md §3), float32, no gradient.
+
+    ``avg_logits`` (AVGLOGITS, FedDF's README/paper): ``σ((1/K) Σ_k f_k / T)``; ``avg_probs`` (FedFTG's
+    data-free FedDF): ``(1/K) Σ_k σ(f_k / T)``. Rows sum to 1; identical teachers give that teacher's softmax.
+    """
+    logits = teacher_logits.detach().float()
+    if scheme == "avg_logits":
+        return torch.softmax(logits.mean(dim=0) / tau, dim=1)
+    if scheme == "avg_probs":
+        return torch.softmax(logits / tau, dim=2).mean(dim=0)
+    raise ValueError(f"unknown teacher scheme {scheme!r} (avg_logits or avg_probs)")
+
+
+def ensemble_distillation(student_logits: torch.Tensor, target: torch.Tensor, tau: float = 1.0) -> torch.Tensor:
+    """FedDF's student loss ``(1/B) Σ_b KL(p_T(x_b) ‖ σ(f(x_b; θ)/T))`` (spec/feddf.md §3; no T² factor, as
+    the code). ``target`` is a probability matrix (no gradient flows into it). Also FedGen's client KL term
+    at T = 1 (spec/fedgen.md §3). Computed in float32 with ``kl_div`` on ``log_softmax`` (never log of a
+    softmax); zero target entries contribute 0.
+    """
+    log_q = torch.log_softmax(student_logits.float() / tau, dim=1)
+    return F.kl_div(log_q, target.detach().float(), reduction="batchmean")
+
+
+def qualified_labels(counts: torch.Tensor, min_samples: int = 1) -> torch.Tensor:
+    """FedGen's ``Y_q = {y : max_k c_k^y > MIN_SAMPLES_PER_LABEL}`` as a boolean M-vector (spec/fedgen.md §3).
+
+    ``counts`` is ``(K, M)`` with FedGen's +1 prior, so a label qualifies iff some selected client processed it.
+    """
+    return counts.max(dim=0).values > min_samples
+
+
+def fedgen_teacher_loss(
+    head_logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor, weighting: str = "per_sample"
+) -> torch.Tensor:
+    """FedGen's server term ``Σ_k (1/B) Σ_b ω_{y_b,k} · CE(h_k(ẑ_b), y_b)`` (spec/fedgen.md §3).
+
+    ``head_logits`` is ``(K, B, M)`` (client k's head on the generated features), ``weights`` is ``(K, M)``
+    (``ω``, columns summing to 1). ``batch_scalar`` reproduces the official code's broadcast,
+    ``Σ_k mean_b(CE_k) · mean_b(ω_{y_b,k})`` (card ambiguity 3).
+    """
+    k, b, m = head_logits.shape
+    ce = F.cross_entropy(head_logits.float().reshape(k * b, m), labels.repeat(k), reduction="none").view(k, b)
+    w = weights.to(ce.device, ce.dtype)[:, labels]  # (K, B): ω_{y_b,k}
+    if weighting == "per_sample":
+        return (w * ce).mean(dim=1).sum()
+    if weighting == "batch_scalar":
+        return (ce.mean(dim=1) * w.mean(dim=1)).sum()
+    raise ValueError(f"unknown weighting {weighting!r} (per_sample or batch_scalar)")
+
+
+def fedgen_client_regulariser(
+    logits: torch.Tensor,
+    latent_logits: torch.Tensor,
+    generated_logits: torch.Tensor,
+    generated_labels: torch.Tensor,
+    alpha: float,
+    beta: float,
+    ratio: float = 1.0,
+) -> torch.Tensor:
+    """FedGen's two client terms at round t ≥ 1 (spec/fedgen.md §3)::
+
+        ratio · α_t · CE(h(G(ε, ŷ)), ŷ)  +  β_t · (1/B) Σ_b KL(stopgrad σ(h(G(ε_b, y_b))) ‖ σ(f(x_b)))
+
+    ``logits`` = f(x) on the real batch; ``latent_logits`` = the client's head on generated features of the
+    batch's labels (detached here: it is only a target); ``generated_logits`` = the head on generated features
+    of the labels ``generated_labels``; ``ratio`` = B_g / B (official code's ``gen_ratio``).
+    """
+    target = torch.softmax(latent_logits.detach().float(), dim=1)
+    latent = ensemble_distillation(logits, target)
+    generative = F.cross_entropy(generated_logits.float(), generated_labels)
+    return ratio * alpha * generative + beta * latent

@@ -1,3 +1,18 @@
 """Algorithms; importing this package registers every method in ``ALGORITHMS``."""
 
-from . import fedadam, fedavg, fedcurv, feddyn, fedftg, fedlmd, fednova, fedntd, fedprox, fedrs, moon, scaffold  # noqa: F401
+from . import (  # noqa: F401
+    fedadam,
+    fedavg,
+    fedcurv,
+    feddf,
+    feddyn,
+    fedftg,
+    fedgen,
+    fedlmd,
+    fednova,
+    fedntd,
+    fedprox,
+    fedrs,
+    moon,
+    scaffold,
+)

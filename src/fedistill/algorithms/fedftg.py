@@ -33,7 +33,7 @@ from pydantic import Field, field_validator
 from torch import nn
 from torch.func import functional_call, vmap
 
-from ..engine.seeding import FEDFTG, derive_seed, make_generator
+from ..engine.seeding import FEDFTG, make_generator
 from ..losses import (
     class_ensemble_weights,
     diversity_loss,
@@ -44,12 +44,13 @@ from ..losses import (
     stratified_labels,
     weighted_classification_loss,
 )
-from ..models.flat import float_state, get_flat, set_flat
+from ..models.flat import float_state
 from ..models.generators import build_generator
 from ..registry import ALGORITHMS
 from .base import ClientContext, Message, RoundInfo, ServerContext
 from .fedavg import FedAvg, FedAvgParams
 from .local import LocalResult, autocast_context
+from .server_modules import PersistentModule, label_counts
 
 GENERATOR_KEY = "fedftg_generator"  # server.state: the generator's flat weights (BN statistics included)
 
@@ -161,36 +162,24 @@ class FedFTG(FedAvg):
 
     def __init__(self, params: FedFTGParams, local: Any) -> None:
         super().__init__(params, local)
-        self._generator: nn.Module | None = None
+        self._generator = PersistentModule(GENERATOR_KEY, FEDFTG, self._build_generator)
         self._teachers = TeacherEnsemble()
+
+    def _build_generator(self, server: ServerContext) -> nn.Module:
+        return build_generator(
+            "cgenerator", server.input_shape, server.num_classes,
+            noise_dim=self.params.noise_dim, ngf=self.params.generator_width,
+        )  # fmt: skip
 
     # -- client ---------------------------------------------------------------------------------
     def reply_extras(self, client: ClientContext, info: RoundInfo, msg: Message, result: LocalResult) -> dict[str, Any]:
         # n_k: M integers per round (the card's "every round" case; counted in the upload bytes).
-        labels = client.data.dataset.train_y[client.train_indices]
-        return {"label_counts": torch.bincount(labels.cpu(), minlength=client.data.num_classes).to(torch.int64)}
+        return {"label_counts": label_counts(client)}
 
     # -- server ---------------------------------------------------------------------------------
     def init_server(self, server: ServerContext) -> None:
         if len(server.input_shape) == 3:  # else made on first use (a bare ServerContext in a test)
-            server.state[GENERATOR_KEY] = get_flat(self._initial_generator(server))
-
-    def _initial_generator(self, server: ServerContext) -> nn.Module:
-        """θ⁰ from its own seeded stream (global RNG untouched), identical on every (re)start."""
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(derive_seed(server.seed, FEDFTG, 0))
-            return build_generator(
-                "cgenerator", server.input_shape, server.num_classes,
-                noise_dim=self.params.noise_dim, ngf=self.params.generator_width,
-            )  # fmt: skip
-
-    def _load_generator(self, server: ServerContext) -> nn.Module:
-        if GENERATOR_KEY not in server.state:
-            server.state[GENERATOR_KEY] = get_flat(self._initial_generator(server))
-        if self._generator is None:
-            self._generator = self._initial_generator(server).to(server.device)
-        set_flat(self._generator, server.state[GENERATOR_KEY])
-        return self._generator
+            self._generator.init_state(server)
 
     def refine(self, server: ServerContext, info: RoundInfo, replies: list[Message], cids: list[int]) -> dict[str, float]:
         p = self.params
@@ -198,7 +187,7 @@ class FedFTG(FedAvg):
             return {}  # the base method's round, bit for bit; the generator is not touched
         started = time.perf_counter()
         counts = torch.stack([r["label_counts"].to(torch.int64) for r in replies])  # (K, M)
-        generator = self._load_generator(server)
+        generator = self._generator.load(server)
         teachers = self._teachers.load(server.model, [r["weights"] for r in replies], server.device)
         metrics = server_fine_tune(
             server.model, generator, teachers, counts, p,
@@ -206,7 +195,7 @@ class FedFTG(FedAvg):
             lr_scale=p.lr_decay ** (info.round - 1),
             precision=server.precision,
         )  # fmt: skip
-        server.state[GENERATOR_KEY] = get_flat(generator)
+        self._generator.store(server, generator)
         teachers.members, teachers.stacked = [], {}  # free the round's stacked uploads
         return {**metrics, "fedftg_refine_seconds": time.perf_counter() - started}
 

@@ -15,6 +15,8 @@ INIT, SAMPLING, CLIENT, SERVER = 0, 1, 2, 3
 # Server refiners: each has its own tag; its round-t stream is make_generator(seed, TAG, t) and its
 # initial weights come from derive_seed(seed, TAG, 0) (rounds are 1-based, so 0 never clashes).
 FEDFTG = 4
+FEDDF = 5  # FedDF's data-free generator, its proxy order and proxy subset
+FEDGEN = 6  # FedGen's server-side feature generator
 
 
 def derive_seed(seed: int, *coords: int) -> int:

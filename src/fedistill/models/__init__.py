@@ -7,12 +7,13 @@ logits). Any of them takes ``projection_dim`` for MOON's projection head (:class
 
 Server-side image generators (``cgenerator``, ``generator``) are not classifiers: they are registered in
 :data:`fedistill.registry.GENERATORS` and built with :func:`build_generator` (:mod:`.generators`).
+FedGen's :class:`FeatureGenerator` makes penultimate features for a model's head and is built by FedGen.
 """
 
 from . import cnn, generators, mlp, mobilenet, resnet  # noqa: F401  (imported for their registrations)
 from .base import ClassifierModel
 from .cnn import DigitsCNN, FedAvgNet
-from .generators import CGeneratorA, GeneratorA, build_generator
+from .generators import CGeneratorA, FeatureGenerator, GeneratorA, build_generator
 from .mlp import MLP
 from .projection import ProjectedClassifier, has_projection_head
 from .registry import build_model, model_options
@@ -24,6 +25,7 @@ __all__ = [
     "ClassifierModel",
     "DigitsCNN",
     "FedAvgNet",
+    "FeatureGenerator",
     "GeneratorA",
     "MLP",
     "ProjectedClassifier",

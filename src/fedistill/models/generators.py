@@ -1,4 +1,4 @@
-"""Image generators for server-side data-free distillation (FedFTG, FedDF-style refiners).
+"""Generators for server-side data-free distillation: images (FedFTG, FedDF) and features (FedGen).
 
 They are not classifiers, so they have their own registry, :data:`fedistill.registry.GENERATORS`
 (``fedistill list`` shows it beside the models). Every factory has the signature
@@ -24,6 +24,9 @@ generator, d=100            1x28x28          856,065
 ==========================  ===============  ==========
 
 Any square output whose side is a multiple of 4 is accepted (8x8 digits: s = 2).
+
+:class:`FeatureGenerator` is FedGen's generator of penultimate features (spec/fedgen.md §2), built by the
+FedGen algorithm for its model's head; it makes vectors, not images, so it is not in the registry.
 """
 
 from __future__ import annotations
@@ -130,3 +133,41 @@ def build_generator(name: str, output_shape: Sequence[int], num_classes: int, /,
     """Generator ``name`` for images of ``output_shape`` (C, H, W); unknown names are a ConfigError."""
     fn = GENERATORS.get(name, key="generator")
     return fn(output_shape, num_classes, **kwargs)
+
+
+class FeatureGenerator(nn.Module):
+    """FedGen's generator in the classifier's feature space (spec/fedgen.md §2-3).
+
+    ``G(ε, y) = W₂ · ReLU(BN1d(W₁ [ε ; onehot(y)] + b₁)) + b₂`` of shape ``(B, feature_dim)``: noise first,
+    then the one-hot label (official ``generator.py``), no output activation (the card's heads read
+    un-activated features). Parameters ``(d+M)·H + H + 2H + H·L + L`` plus ``2H`` BatchNorm running-stat
+    floats:
+
+    =======================================  ==========
+    d, H, L, M                               parameters
+    =======================================  ==========
+    32, 256, 32, 10 (FedGen MNIST config)    19,744
+    32, 256, 32, 26 (EMNIST-letters)         23,840
+    64, 512, 32, 10 (FedGen CIFAR config)    55,840
+    =======================================  ==========
+
+    It is not registered in :data:`~fedistill.registry.GENERATORS`: those make images of a sample shape,
+    this one makes vectors for a model's last linear layer (``model.classifier``).
+    """
+
+    conditional = True
+
+    def __init__(self, noise_dim: int, num_classes: int, feature_dim: int, hidden_dim: int = 256) -> None:
+        super().__init__()
+        (self.noise_dim,) = check_positive_ints("feature_generator", "noise_dim", noise_dim, length=1)
+        (self.hidden_dim,) = check_positive_ints("feature_generator", "hidden_dim", hidden_dim, length=1)
+        (self.feature_dim,) = check_positive_ints("feature_generator", "feature_dim", feature_dim, length=1)
+        self.num_classes = check_num_classes(num_classes)
+        self.fc1 = nn.Linear(self.noise_dim + self.num_classes, self.hidden_dim)
+        self.bn = nn.BatchNorm1d(self.hidden_dim)
+        self.fc2 = nn.Linear(self.hidden_dim, self.feature_dim)
+
+    def forward(self, eps: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        onehot = F.one_hot(y, self.num_classes).to(eps.dtype)
+        h = F.relu(self.bn(self.fc1(torch.cat([eps, onehot], dim=1))))
+        return self.fc2(h)

@@ -1,0 +1,174 @@
+"""FedDF invariants from spec/feddf.md §7, and its teacher target and student loss written out by hand."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from conftest import assert_learns, assert_resume_is_exact, assert_same_rounds, global_vectors, small_config
+
+from fedistill.algorithms.feddf import GENERATOR_KEY
+from fedistill.engine.simulation import Simulation
+from fedistill.errors import ConfigError
+from fedistill.losses import ensemble_distillation, ensemble_target
+from fedistill.models import build_model
+from fedistill.models.flat import get_flat, set_flat
+
+# Small enough for tests: the card's generator mode is 50 + 20 steps of a 64-wide CGeneratorA.
+GENERATOR = {
+    "algorithm.name": "feddf",
+    "algorithm.generator_width": 16,
+    "algorithm.noise_dim": 32,
+    "algorithm.generator_steps": 10,
+    "algorithm.student_steps": 5,
+    "algorithm.pseudo_batch_size": 32,
+}
+PROXY = {
+    "algorithm.name": "feddf",
+    "algorithm.mode": "proxy",
+    "algorithm.proxy_dataset": "digits",
+    "algorithm.proxy_size": 256,
+    "algorithm.distill_steps": 20,
+}
+
+
+def _softmax_rows(z: torch.Tensor) -> torch.Tensor:
+    e = torch.exp(z - z.max(dim=-1, keepdim=True).values)
+    return e / e.sum(dim=-1, keepdim=True)
+
+
+def test_avg_logits_target_is_the_softmax_of_the_mean_logits():
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 4, 5, generator=gen) * 3
+    expected = _softmax_rows((logits[0] + logits[1] + logits[2]) / 3 / 2.0)
+    target = ensemble_target(logits, "avg_logits", tau=2.0)
+    assert torch.allclose(target, expected, atol=1e-6)
+    assert torch.allclose(target.sum(dim=1), torch.ones(4))
+    probs = ensemble_target(logits, "avg_probs")
+    assert torch.allclose(probs, sum(_softmax_rows(logits[k]) for k in range(3)) / 3, atol=1e-6)
+    same = logits[:1].expand(3, 4, 5)  # identical teachers: that teacher's softmax under both schemes
+    assert torch.allclose(ensemble_target(same, "avg_logits"), _softmax_rows(logits[0]), atol=1e-6)
+    assert torch.allclose(ensemble_target(same, "avg_probs"), _softmax_rows(logits[0]), atol=1e-6)
+
+
+def test_student_loss_written_out():
+    """(1/B) Σ_b Σ_c p_T,bc (log p_T,bc − log σ(s_b/T)_c), no T² factor (card §3)."""
+    student = torch.tensor([[1.0, -0.5, 2.0], [0.0, 0.3, -1.2]])
+    teacher = torch.tensor([[0.2, 0.1, 1.5], [-1.0, 2.0, 0.5]])
+    tau = 2.0
+    expected = 0.0
+    for s_row, t_row in zip(student.tolist(), teacher.tolist()):
+        zs = sum(math.exp(v / tau) for v in s_row)
+        zt = sum(math.exp(v / tau) for v in t_row)
+        for s, t in zip(s_row, t_row):
+            p = math.exp(t / tau) / zt
+            expected += p * (math.log(p) - math.log(math.exp(s / tau) / zs))
+    expected /= 2
+    target = ensemble_target(teacher[None], "avg_logits", tau)
+    assert math.isclose(float(ensemble_distillation(student, target, tau)), expected, rel_tol=1e-6)
+
+
+def test_teacher_equal_to_student_gives_zero_loss_and_zero_gradient():
+    logits = torch.randn(6, 4, requires_grad=True)
+    loss = ensemble_distillation(logits, ensemble_target(logits.detach()[None], "avg_logits"))
+    (grad,) = torch.autograd.grad(loss, logits)
+    assert abs(float(loss.detach())) < 1e-6 and float(grad.abs().max()) < 1e-7
+
+
+def _fedavg_then(sim, rnd):
+    """Run round ``rnd``'s clients, aggregate with FedAvg only; returns (info, ordered replies, cids)."""
+    info = sim.round_info(rnd)
+    replies = {}
+    for cid in sim.server_runtime.select_clients(rnd):
+        replies[cid] = sim.client_runtime.update(cid, info, sim.server_runtime.broadcast(info, cid), {})
+    algorithm = sim.algorithm
+    algorithm.refine = lambda *args: {}  # the instance attribute hides the method: plain FedAvg aggregation
+    algorithm.aggregate(sim.server, info, replies)
+    del algorithm.refine
+    cids = sorted(replies)
+    return info, [replies[c] for c in cids], cids
+
+
+def test_one_proxy_step_with_a_tiny_lr_does_not_increase_the_kl_and_leaves_teachers_alone(digits):
+    cfg = small_config(**{**PROXY, "algorithm.proxy_size": 64, "algorithm.distill_steps": 1,
+                          "algorithm.distill_batch_size": 64, "algorithm.distill_lr": 1e-5})  # fmt: skip
+    sim = Simulation(cfg, digits)
+    info, replies, cids = _fedavg_then(sim, 1)
+    sent = [r["weights"].clone() for r in replies]
+    pipeline, images = sim.algorithm._proxy
+    x = pipeline.normalise(images)  # one batch = the whole 64-image proxy set
+    # The AVGLOGITS target, computed here from fresh models built from the uploads.
+    with torch.no_grad():
+        logits = []
+        for reply in replies:
+            teacher = build_model("digits_cnn", (1, 8, 8), 10).eval()
+            set_flat(teacher, reply["weights"])
+            logits.append(teacher(x))
+        target = _softmax_rows(sum(logits) / len(logits))
+
+    def kl():
+        with torch.no_grad():
+            q = _softmax_rows(sim.server.model(x))
+            return float((target * (target.log() - q.log())).sum() / x.shape[0])
+
+    before = kl()
+    average = get_flat(sim.server.model)
+    sim.algorithm.refine(sim.server, info, replies, cids)
+    after = kl()
+    assert before > 1e-3 and after < before
+    assert not torch.equal(get_flat(sim.server.model), average)  # the student started at the average and moved
+    assert all(torch.equal(r["weights"], s) for r, s in zip(replies, sent))  # teachers unchanged
+
+
+def test_zero_distillation_steps_is_fedavg_bit_for_bit(digits):
+    fedavg = global_vectors(small_config(algorithm="fedavg"), digits, 2)
+    proxy = global_vectors(small_config(**{**PROXY, "algorithm.distill_steps": 0}), digits, 2)
+    assert all(torch.equal(a, b) for a, b in zip(fedavg, proxy))
+    # Generator mode with no student step: the generator still trains, the global model is FedAvg's.
+    sim = Simulation(small_config(**{**GENERATOR, "algorithm.student_steps": 0}), digits)
+    initial = sim.server.state[GENERATOR_KEY].clone()
+    for rnd, expected in enumerate(fedavg, start=1):
+        sim.run_round(rnd)
+        assert torch.equal(get_flat(sim.server.model), expected)
+    assert not torch.equal(sim.server.state[GENERATOR_KEY], initial)
+
+
+def test_bytes_proxy_mode_is_fedavg_generator_mode_adds_label_counts(digits):
+    fedavg = Simulation(small_config(algorithm="fedavg", rounds=1), digits).run()[-1]
+    proxy = Simulation(small_config(**PROXY, rounds=1), digits).run()[-1]
+    generator = Simulation(small_config(**GENERATOR, rounds=1), digits).run()[-1]
+    assert (proxy["bytes_down"], proxy["bytes_up"]) == (fedavg["bytes_down"], fedavg["bytes_up"])
+    assert generator["bytes_down"] == fedavg["bytes_down"]
+    assert generator["bytes_up"] == fedavg["bytes_up"] + 3 * 8 * 10  # M int64 per client
+    assert generator["feddf_student_loss"] >= 0 and "feddf_refine_seconds" in generator
+
+
+def test_proxy_mode_needs_a_usable_proxy_set(digits):
+    with pytest.raises(ConfigError, match="needs proxy_dataset"):
+        Simulation(small_config(**{**PROXY, "algorithm.proxy_dataset": None}), digits)
+    with pytest.raises(ConfigError, match="proxy_size"):
+        Simulation(small_config(**{**PROXY, "algorithm.proxy_size": 100_000}), digits)
+
+
+def test_feddf_as_an_ingredient(digits):
+    """``algorithm.plus: {feddf: ...}``: FedProx with μ = 0 plus FedDF with no step is FedAvg; with steps it distils."""
+    no_steps = {"student_steps": 0, "generator_steps": 0}
+    idle = small_config(**{"algorithm.name": "fedprox", "algorithm.mu": 0.0, "algorithm.plus": {"feddf": no_steps}})
+    assert_same_rounds(small_config(algorithm="fedavg"), idle, digits, rounds=1)
+    plus = {k.removeprefix("algorithm."): v for k, v in PROXY.items() if k != "algorithm.name"}
+    cfg = small_config(**{"algorithm.name": "fedprox", "algorithm.plus": {"feddf": plus}}, rounds=1)
+    row = Simulation(cfg, digits).run()[-1]
+    assert row["feddf_student_loss"] >= 0
+
+
+def test_feddf_generator_mode_learns_and_resumes_exactly(digits, tmp_path):
+    settings = {k: v for k, v in GENERATOR.items() if k != "algorithm.name"}
+    assert_resume_is_exact(digits, tmp_path, "feddf", server_keys=(GENERATOR_KEY,), **settings)
+    assert_learns(digits, "feddf", **settings)
+
+
+def test_feddf_proxy_mode_learns_and_resumes_exactly(digits, tmp_path):
+    settings = {k: v for k, v in PROXY.items() if k != "algorithm.name"}
+    assert_resume_is_exact(digits, tmp_path, "feddf", **settings)
+    assert_learns(digits, "feddf", **settings)
