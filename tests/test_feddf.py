@@ -172,3 +172,18 @@ def test_feddf_proxy_mode_learns_and_resumes_exactly(digits, tmp_path):
     settings = {k: v for k, v in PROXY.items() if k != "algorithm.name"}
     assert_resume_is_exact(digits, tmp_path, "feddf", **settings)
     assert_learns(digits, "feddf", **settings)
+
+
+def test_the_proxy_set_is_found_in_the_runs_data_directory(digits, tmp_path):
+    """`--data-dir` (dataset.data_dir) is where the proxy dataset is looked up too, not only ./data."""
+    from tests.test_datasets import make_mnist_dir
+
+    make_mnist_dir(tmp_path / "mnist", n_train=40, n_test=5)
+    cfg = small_config(
+        **{**PROXY, "algorithm.proxy_dataset": "mnist", "algorithm.proxy_size": None, "dataset.data_dir": str(tmp_path),
+           "dataset.verify": False}
+    )  # fmt: skip
+    # The 28x28 files were found and read from dataset.data_dir (before: "no dataset files in ./data/mnist");
+    # they do not fit the 8x8 digits model, which is the next check.
+    with pytest.raises(ConfigError, match="has 1x28x28 images, the model takes 1x8x8"):
+        Simulation(cfg, digits)

@@ -118,6 +118,8 @@ class ServerContext:
     seed: int = 0  # the run seed: server-side randomness per round comes from make_generator(seed, purpose, round)
     input_shape: tuple[int, ...] = ()  # (C, H, W) of one sample: what a server-side generator must produce
     precision: str = "fp32"  # the run's precision (bf16 autocast for server-side training where the run uses it)
+    data_dir: str | None = None  # the run's dataset.data_dir: where a server-side dataset (FedDF's proxy set) is looked up
+    data_verify: bool = True  # the run's dataset.verify: check that dataset's md5s
 
 
 @dataclass(frozen=True)

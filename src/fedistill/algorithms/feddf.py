@@ -79,7 +79,9 @@ class FedDFParams(FedAvgParams):
     proxy_dataset: str | None = Field(None, description="registered dataset whose images are the unlabeled proxy set")
     proxy_split: Literal["train", "test"] = Field("train", description="which split of proxy_dataset to use")
     proxy_size: int | None = Field(None, ge=1, description="a fixed random subset of this many images (null = all)")
-    proxy_data_dir: str | None = Field(None, description="data directory of proxy_dataset ($FEDISTILL_DATA or ./data)")
+    proxy_data_dir: str | None = Field(
+        None, description="data directory of proxy_dataset (default: the run's dataset.data_dir, then $FEDISTILL_DATA or ./data)"
+    )
     distill_steps: int = Field(10_000, ge=0, description="N_d, student steps per round (0 = FedAvg)")
     distill_batch_size: int | None = Field(None, ge=1, description="proxy batch (null = local.batch_size; code: 64)")
     distill_lr: float = Field(1e-3, gt=0.0, description="student Adam lr, cosine-annealed to 0 over N_d steps")
@@ -150,7 +152,7 @@ class FedDF(FedAvg):
             raise ConfigError(
                 "feddf: mode 'proxy' needs proxy_dataset, a dataset name (e.g. mnist); or use mode: generator"
             )
-        dataset = load_dataset(p.proxy_dataset, p.proxy_data_dir)
+        dataset = load_dataset(p.proxy_dataset, p.proxy_data_dir or server.data_dir, verify=server.data_verify)
         images = dataset.train_x if p.proxy_split == "train" else dataset.test_x
         if server.input_shape and tuple(images.shape[1:]) != tuple(server.input_shape):
             shape = "x".join(str(s) for s in images.shape[1:])

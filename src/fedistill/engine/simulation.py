@@ -164,6 +164,8 @@ class ServerRuntime:
             seed=cfg.seed,
             input_shape=tuple(dataset.input_shape),
             precision=cfg.run.precision,
+            data_dir=cfg.dataset.data_dir,
+            data_verify=cfg.dataset.verify,
         )
         self.state = RunState()
         self._store_ready = False
