@@ -1,10 +1,10 @@
-"""Generators for server-side data-free distillation: images (FedFTG, FedDF) and features (FedGen).
+"""Generators for server-side data-free distillation: images (FedFTG, FedDF, DaFKD) and features (FedGen).
 
 They are not classifiers, so they have their own registry, :data:`fedistill.registry.GENERATORS`
 (``fedistill list`` shows it beside the models). Every factory has the signature
 ``fn(output_shape, num_classes, noise_dim=100, ngf=64) -> nn.Module`` and the module's forward is
 ``generator(z, y)`` with ``z`` of shape ``(B, noise_dim)`` and ``y`` the class indices ``(B,)`` (ignored by
-an unconditional generator).
+an unconditional generator), except ``dcgan``, whose forward is ``generator(z)`` (no label input).
 
 ``generator`` is DFAD's GeneratorA (Fang et al. 2019; spec/fedftg.md §3 "Unconditional DFAD GeneratorA"):
 one linear layer from z to a ``2·ngf × s × s`` map with ``s = side / 4``, BN, nearest upsampling x2 twice with
@@ -24,6 +24,12 @@ generator, d=100            1x28x28          856,065
 ==========================  ===============  ==========
 
 Any square output whose side is a multiple of 4 is accepted (8x8 digits: s = 2).
+
+``dcgan`` is DaFKD's unconditional DCGAN ``GeneratorCifar`` (spec/dafkd.md "Architectures", n_g = ngf = 64):
+four transposed convolutions ``d -> 4ngf -> 2ngf -> ngf -> C`` with BN + ReLU between them and Tanh at the end,
+so its images lie in [-1, 1]. Unlike the others its forward takes the noise only, ``generator(z)``.
+For 3x32x32 and d = 100 it has 1,068,931 parameters (1,066,881 for one channel) and 896 BatchNorm
+running-statistic floats; sides that are a multiple of 8 or of 4 are accepted (see :class:`DCGANGenerator`).
 
 :class:`FeatureGenerator` is FedGen's generator of penultimate features (spec/fedgen.md §2), built by the
 FedGen algorithm for its model's head; it makes vectors, not images, so it is not in the registry.
@@ -127,6 +133,80 @@ def cgenerator(output_shape: Sequence[int], num_classes: int, noise_dim: int = 1
 def generator(output_shape: Sequence[int], num_classes: int, noise_dim: int = 100, ngf: int = 64) -> GeneratorA:
     """DFAD's unconditional GeneratorA (z only; num_classes is ignored)."""
     return GeneratorA(output_shape, noise_dim=noise_dim, ngf=ngf)
+
+
+class DCGANGenerator(nn.Module):
+    """DaFKD's unconditional DCGAN generator (``GeneratorCifar``): noise ``z`` of shape ``(B, noise_dim)`` to
+    images ``(B, C, S, S)`` in [-1, 1].
+
+    ``forward(z)`` takes the noise only: unlike ``cgenerator`` (and ``generator``, which accepts and ignores a
+    label) there is no label input. The noise is reshaped to ``(B, noise_dim, 1, 1)`` inside.
+
+    Layers for a side ``S`` (card, S = 32): ``ConvT(d -> 4ngf, k=S/8, s1, p0)`` to S/8 px, BN, ReLU;
+    ``ConvT(4ngf -> 2ngf, k4, s2, p1)`` to S/4, BN, ReLU; ``ConvT(2ngf -> ngf, k4, s2, p1)`` to S/2, BN, ReLU;
+    ``ConvT(ngf -> C, k4, s2, p1, bias)`` to S; Tanh. Only the last layer has a bias. For a side that is a
+    multiple of 4 but not of 8 (28x28) the first layer makes S/4 px (kernel S/4), the next two double to S,
+    and the last is ``ConvT(ngf -> C, k3, s1, p1, bias)`` keeping S, so the network has the same four layers
+    and BN widths. Other sizes, and non-square ones, are a ConfigError.
+
+    Initialisation (DaFKD's code): convolution weights Xavier-normal, BN weights ``N(1, 0.02)`` and biases 0,
+    drawn from the global torch RNG; the last layer's bias keeps PyTorch's default.
+    """
+
+    conditional = False
+
+    def __init__(self, output_shape: Sequence[int], noise_dim: int = 100, ngf: int = 64) -> None:
+        super().__init__()
+        shape = check_input_shape(output_shape)
+        channels, h, w = shape
+        if h != w or h % 4 != 0:
+            raise ConfigError(
+                "generator 'dcgan' makes square images whose side is a multiple of 8 (e.g. 8x8, 16x16, 32x32) "
+                f"or of 4 (e.g. 28x28), got {h}x{w} (output_shape={shape})"
+            )
+        self.output_shape = shape
+        (self.noise_dim,) = check_positive_ints("dcgan", "noise_dim", noise_dim, length=1)
+        (self.ngf,) = check_positive_ints("dcgan", "ngf", ngf, length=1)
+        ng = self.ngf
+        if h % 8 == 0:
+            # Card layout: S/8 px, three doublings.
+            first_kernel = h // 8
+            last = nn.ConvTranspose2d(ng, channels, 4, 2, 1, bias=True)
+        else:
+            # S/4 px, two doublings, then a size-keeping 3x3 layer.
+            first_kernel = h // 4
+            last = nn.ConvTranspose2d(ng, channels, 3, 1, 1, bias=True)
+        self.net = nn.Sequential(
+            nn.ConvTranspose2d(self.noise_dim, 4 * ng, first_kernel, 1, 0, bias=False),
+            nn.BatchNorm2d(4 * ng),
+            nn.ReLU(inplace=True),
+            nn.ConvTranspose2d(4 * ng, 2 * ng, 4, 2, 1, bias=False),
+            nn.BatchNorm2d(2 * ng),
+            nn.ReLU(inplace=True),
+            nn.ConvTranspose2d(2 * ng, ng, 4, 2, 1, bias=False),
+            nn.BatchNorm2d(ng),
+            nn.ReLU(inplace=True),
+            last,
+            nn.Tanh(),
+        )
+        self._init_weights()
+
+    def _init_weights(self) -> None:
+        for m in self.modules():
+            if isinstance(m, (nn.Conv2d, nn.ConvTranspose2d)):
+                nn.init.xavier_normal_(m.weight)
+            elif isinstance(m, nn.BatchNorm2d):
+                nn.init.normal_(m.weight, 1.0, 0.02)
+                nn.init.zeros_(m.bias)
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        return self.net(z.reshape(z.shape[0], self.noise_dim, 1, 1))
+
+
+@GENERATORS.register("dcgan")
+def dcgan(output_shape: Sequence[int], num_classes: int, noise_dim: int = 100, ngf: int = 64) -> DCGANGenerator:
+    """DaFKD's unconditional DCGAN generator (forward takes z only; num_classes is ignored)."""
+    return DCGANGenerator(output_shape, noise_dim=noise_dim, ngf=ngf)
 
 
 def build_generator(name: str, output_shape: Sequence[int], num_classes: int, /, **kwargs: Any) -> nn.Module:

@@ -1,4 +1,5 @@
-"""Residual networks with BasicBlocks: ``resnet8`` (CIFAR style) and ``resnet18`` (two stems).
+"""Residual networks: ``resnet8`` (CIFAR style) and ``resnet18`` (two stems) with BasicBlocks, and
+DaFKD's ``resnet11`` with 3x3 Bottleneck blocks.
 
 Blocks follow He et al. (2016): two 3x3 convolutions with BatchNorm, ReLU after the first and after the
 sum; the shortcut is the identity, or a 1x1 convolution + BatchNorm when the stride or the width changes
@@ -18,7 +19,14 @@ BasicBlock per stage (6n+2 layers with n=1: 1 stem conv + 3 blocks x 2 convs + 1
 layers): a 3x3 conv stem with 16 channels + BN + ReLU, three stages of 16/32/64 channels with strides
 1/2/2, global average pooling and a linear classifier (78,042 parameters for 3x32x32 inputs, 10 classes).
 
-Both accept any number of input channels and any spatial size (global average pooling makes the
+``resnet11`` — DaFKD's ``MTLResNet(Bottleneck, [2, 2, 2])`` (spec/dafkd.md "Architectures"): a 3x3 conv stem
+with 16 channels + BN + ReLU, three stages of two :class:`Bottleneck` blocks with widths 16/32/64 and expansion 4
+(block outputs 64/128/256 channels), strides 1/2/2, global average pooling to a 256-d feature and a linear
+classifier. Unlike torchvision's bottleneck, all three convolutions of a block are 3x3. Parameter counts (card):
+817,872 in the trunk for 3 input channels (817,584 for 1) plus 2,570 in the 10-class head; 3,616 BatchNorm
+running-statistic floats. DaFKD's discriminator is the same network with ``num_classes=1``.
+
+All accept any number of input channels and any spatial size (global average pooling makes the
 classifier independent of it); inputs below 8x8 shrink to 1x1 early and are not a useful setting.
 """
 
@@ -39,8 +47,20 @@ def conv3x3(in_ch: int, out_ch: int, stride: int = 1) -> nn.Conv2d:
     return nn.Conv2d(in_ch, out_ch, kernel_size=3, stride=stride, padding=1, bias=False)
 
 
+def _shortcut(in_ch: int, out_ch: int, stride: int) -> nn.Module:
+    """Identity, or a 1x1 convolution + BatchNorm ("option B") when the stride or the width changes."""
+    if stride == 1 and in_ch == out_ch:
+        return nn.Identity()
+    return nn.Sequential(
+        nn.Conv2d(in_ch, out_ch, kernel_size=1, stride=stride, bias=False),
+        nn.BatchNorm2d(out_ch),
+    )
+
+
 class BasicBlock(nn.Module):
     """conv3x3 -> BN -> ReLU -> conv3x3 -> BN, plus the shortcut, then ReLU."""
+
+    expansion = 1  # output channels = expansion x the block's width
 
     def __init__(self, in_ch: int, out_ch: int, stride: int = 1) -> None:
         super().__init__()
@@ -48,13 +68,7 @@ class BasicBlock(nn.Module):
         self.bn1 = nn.BatchNorm2d(out_ch)
         self.conv2 = conv3x3(out_ch, out_ch)
         self.bn2 = nn.BatchNorm2d(out_ch)
-        if stride != 1 or in_ch != out_ch:
-            self.shortcut: nn.Module = nn.Sequential(
-                nn.Conv2d(in_ch, out_ch, kernel_size=1, stride=stride, bias=False),
-                nn.BatchNorm2d(out_ch),
-            )
-        else:
-            self.shortcut = nn.Identity()
+        self.shortcut = _shortcut(in_ch, out_ch, stride)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = F.relu(self.bn1(self.conv1(x)))
@@ -62,10 +76,40 @@ class BasicBlock(nn.Module):
         return F.relu(out + self.shortcut(x))
 
 
-class ResNet(ClassifierModel):
-    """Stem, stages of BasicBlocks, global average pooling (``extract``), linear ``classifier``.
+class Bottleneck(nn.Module):
+    """DaFKD's bottleneck: three 3x3 convolutions ``in -> width -> width -> 4·width``, each followed by BN,
+    ReLU after the first two and after the sum with the shortcut.
 
-    ``stages`` lists ``(channels, blocks, stride)`` per stage; only the first block of a stage strides.
+    DaFKD's code uses 3x3 kernels for all three convolutions (not torchvision's 1x1-3x3-1x1). The stride
+    sits on the middle convolution (torchvision v1.5 placement); the card only says that the first block
+    of a stage strides, and the placement does not change the parameter count.
+    """
+
+    expansion = 4
+
+    def __init__(self, in_ch: int, width: int, stride: int = 1) -> None:
+        super().__init__()
+        out_ch = width * self.expansion
+        self.conv1 = conv3x3(in_ch, width)
+        self.bn1 = nn.BatchNorm2d(width)
+        self.conv2 = conv3x3(width, width, stride)
+        self.bn2 = nn.BatchNorm2d(width)
+        self.conv3 = conv3x3(width, out_ch)
+        self.bn3 = nn.BatchNorm2d(out_ch)
+        self.shortcut = _shortcut(in_ch, out_ch, stride)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.relu(self.bn1(self.conv1(x)))
+        out = F.relu(self.bn2(self.conv2(out)))
+        out = self.bn3(self.conv3(out))
+        return F.relu(out + self.shortcut(x))
+
+
+class ResNet(ClassifierModel):
+    """Stem, stages of residual blocks, global average pooling (``extract``), linear ``classifier``.
+
+    ``stages`` lists ``(width, blocks, stride)`` per stage; only the first block of a stage strides. A stage
+    outputs ``width x block.expansion`` channels (``block`` is :class:`BasicBlock` or :class:`Bottleneck`).
     Attributes ``stem`` and ``stages`` (an ``nn.Sequential`` of stages) let callers split the network,
     e.g. into FedICT's extractor and predictor.
     """
@@ -77,6 +121,7 @@ class ResNet(ClassifierModel):
         stages: Sequence[tuple[int, int, int]],
         stem_channels: int,
         stem: str = "cifar",
+        block: type[BasicBlock] | type[Bottleneck] = BasicBlock,
     ) -> None:
         super().__init__(input_shape, num_classes)
         in_ch = self.input_shape[0]
@@ -99,11 +144,11 @@ class ResNet(ClassifierModel):
 
         ch = stem_channels
         built: list[nn.Module] = []
-        for out_ch, blocks, stride in stages:
-            layer = [BasicBlock(ch, out_ch, stride)]
-            layer += [BasicBlock(out_ch, out_ch) for _ in range(blocks - 1)]
+        for width, blocks, stride in stages:
+            layer: list[nn.Module] = [block(ch, width, stride)]
+            ch = width * block.expansion
+            layer += [block(ch, width) for _ in range(blocks - 1)]
             built.append(nn.Sequential(*layer))
-            ch = out_ch
         self.stages = nn.Sequential(*built)
         self.feature_dim = ch
         self.classifier = nn.Linear(ch, self.num_classes)
@@ -138,3 +183,11 @@ def resnet18(input_shape: Sequence[int], num_classes: int, stem: str = "cifar", 
     (w,) = check_positive_ints("resnet18", "width", width, length=1)
     stages = [(w, 2, 1), (2 * w, 2, 2), (4 * w, 2, 2), (8 * w, 2, 2)]
     return ResNet(input_shape, num_classes, stages=stages, stem_channels=w, stem=stem)
+
+
+@MODELS.register("resnet11")
+def resnet11(input_shape: Sequence[int], num_classes: int, width: int = 16) -> ResNet:
+    """DaFKD's ResNet-11: 3x3 stem, 3x3 Bottleneck [2,2,2] (widths 16/32/64, out 64/128/256 ch, strides 1/2/2), BN."""
+    (w,) = check_positive_ints("resnet11", "width", width, length=1)
+    stages = [(w, 2, 1), (2 * w, 2, 2), (4 * w, 2, 2)]
+    return ResNet(input_shape, num_classes, stages=stages, stem_channels=w, block=Bottleneck)
