@@ -520,6 +520,10 @@ def test_client_with_its_own_data_dir_trains_on_its_whole_local_split(tmp_path, 
         {"name": "fedlmd", "switch_round": 1, "plus": {"fedcurv": {"own_stats": "client"}, "fedavgm": {}}},
         # a server refiner: label counts travel as tensors, the generator lives in server state (issue 10)
         {"name": "scaffold", "plus": {"fedftg": {"iterations": 2, "batch_size": 16, "generator_width": 16}}},
+        # per-client discriminators in context.state, a generator both ways (issue 11); and Appendix B's
+        # privacy variant, whose clients regenerate the server's distillation inputs from a broadcast seed
+        {"name": "dafkd", "distill_samples": 32, "distill_epochs": 2, "noise_dim": 8, "generator_width": 8},
+        {"name": "dafkd", "privacy": True, "distill_samples": 32, "distill_epochs": 2, "noise_dim": 8, "generator_width": 8},
     ],
 )
 def test_stateful_algorithms_keep_client_state_in_context_state(tmp_path, keep_threads, task_identity, algorithm):

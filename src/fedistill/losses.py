@@ -419,3 +419,70 @@ def fedgen_client_regulariser(
     latent = ensemble_distillation(logits, target)
     generative = F.cross_entropy(generated_logits.float(), generated_labels)
     return ratio * alpha * generative + beta * latent
+
+
+# -- DaFKD (spec/dafkd.md) ------------------------------------------------------------------------------------
+
+
+def discriminator_loss(real_logits: torch.Tensor, fake_logits: torch.Tensor) -> torch.Tensor:
+    """DaFKD's adversarial term of the joint loss, Eq. (2) in the card's code form::
+
+        BCEWithLogits(ℓ_k(x), 1) + BCEWithLogits(ℓ_k(x̂), 0)     (each a batch mean)
+
+    minimised by the discriminator: it rises on real inputs and falls on generated ones (= 2 × Eq. 2 for equal
+    batch sizes). ``real_logits``/``fake_logits`` are the discriminator logits ``ℓ_k``, any shape.
+    """
+    real = real_logits.float()
+    fake = fake_logits.float()
+    return F.binary_cross_entropy_with_logits(real, torch.ones_like(real)) + F.binary_cross_entropy_with_logits(
+        fake, torch.zeros_like(fake)
+    )
+
+
+def generator_adversarial_loss(fake_logits: torch.Tensor) -> torch.Tensor:
+    """DaFKD's generator objective, Eq. (3) in its non-saturating form ``BCEWithLogits(ℓ_k(g(z)), 1)`` (card
+    ambiguity 1): the generator is rewarded when the (frozen) discriminator calls its samples real."""
+    fake = fake_logits.float()
+    return F.binary_cross_entropy_with_logits(fake, torch.ones_like(fake))
+
+
+def domain_log_importance(discriminator_logits: torch.Tensor) -> torch.Tensor:
+    """Eq. (7) in log space: ``log α̂_{k,i} = log_softmax_k(logsigmoid(ℓ_k(x_i)))`` for logits of shape (K, N).
+
+    ``α̂_{k,i} = f_k(x_i) / Σ_j f_j(x_i)`` with ``f = sigmoid(ℓ)``; the log form stays finite when every
+    ``f_j(x_i)`` underflows (ℓ ≤ −100): it is then the softmax of the logits themselves.
+    """
+    return torch.log_softmax(F.logsigmoid(discriminator_logits.float()), dim=0)
+
+
+def domain_aware_teacher(
+    teacher_logits: torch.Tensor, log_importance: torch.Tensor, temperature: float = 1.0, space: str = "probs"
+) -> torch.Tensor:
+    """DaFKD's per-sample teacher ``log q_i`` (N, M) from teacher logits (K, N, M) and ``log α̂`` (K, N).
+
+    ``probs`` (Eq. 8, the paper): ``q_i = Σ_k α̂_{k,i} softmax(z_k(x_i)/T)``, computed as
+    ``logsumexp_k(log α̂_{k,i} + log_softmax(z_k/T))``. ``logits`` (the code, card ambiguity 2):
+    ``q_i = softmax(Σ_k α̂_{k,i} z_k(x_i) / T)``. Rows of ``exp(log q)`` sum to 1 in both.
+    """
+    logits = teacher_logits.detach().float()
+    log_alpha = log_importance.detach().float().unsqueeze(-1)  # (K, N, 1)
+    if space == "probs":
+        return torch.logsumexp(log_alpha + torch.log_softmax(logits / temperature, dim=2), dim=0)
+    if space == "logits":
+        return torch.log_softmax((log_alpha.exp() * logits).sum(dim=0) / temperature, dim=1)
+    raise ValueError(f"unknown ensemble space {space!r} (probs or logits)")
+
+
+def domain_aware_distillation(
+    student_logits: torch.Tensor, log_target: torch.Tensor, temperature: float = 1.0, reduction: str = "batchmean"
+) -> torch.Tensor:
+    """Eq. (8): ``L_KD = T² · (1/N) Σ_i KL(q_i ‖ softmax(z(x_i)/T))`` with ``log_target = log q`` (no gradient).
+
+    ``batchmean`` divides the summed KL by the batch size (the paper); ``mean`` by batch × M (the code's
+    ``KLDivLoss()`` default, card ambiguity 2), both times T².
+    """
+    if reduction not in ("batchmean", "mean"):
+        raise ValueError(f"unknown reduction {reduction!r} (batchmean or mean)")
+    log_s = torch.log_softmax(student_logits.float() / temperature, dim=1)
+    total = F.kl_div(log_s, log_target.detach().float(), log_target=True, reduction="sum")
+    return temperature**2 * total / (log_s.shape[0] if reduction == "batchmean" else log_s.numel())

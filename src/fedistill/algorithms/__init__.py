@@ -1,6 +1,7 @@
 """Algorithms; importing this package registers every method in ``ALGORITHMS``."""
 
 from . import (  # noqa: F401
+    dafkd,
     fedadam,
     fedavg,
     fedcurv,

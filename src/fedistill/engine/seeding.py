@@ -17,6 +17,7 @@ INIT, SAMPLING, CLIENT, SERVER = 0, 1, 2, 3
 FEDFTG = 4
 FEDDF = 5  # FedDF's data-free generator, its proxy order and proxy subset
 FEDGEN = 6  # FedGen's server-side feature generator
+DAFKD = 7  # DaFKD's global generator (initial weights) and the round's distillation noise
 
 
 def derive_seed(seed: int, *coords: int) -> int:

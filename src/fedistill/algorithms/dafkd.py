@@ -1,0 +1,440 @@
+"""DaFKD (Wang et al., CVPR 2023): domain-aware federated knowledge distillation. Card: spec/dafkd.md.
+
+Each client is its own domain. Besides its classifier ``w_k = (φ_k, h_k)`` a client keeps a private
+discriminator that tells its real data from the samples of a generator shared by all clients. With the
+paper's parameter sharing the discriminator is the classifier's extractor plus a one-output head ``ψ_k``
+(``ℓ_k(x) = ψ_k(φ_k(x))``, Eq. 2's ``f_k = sigmoid(ℓ_k)``); with ``discriminator: separate`` (Table 3's "no
+sharing") it is a second network of the same architecture. Locally, every minibatch takes one step of the
+joint loss ``L_J = CE + L_adv`` (Eq. 9) and one generator step against the client's discriminator (Eq. 3).
+The server averages the classifiers and the generators with ``p_k = n_k / Σ n_j`` (Eqs. 4, 6), then, from the
+second round on, distils the client models into the average on ``N`` samples of the round-start generator,
+weighting client k's soft prediction on sample i by ``α̂_{k,i} = f_k(x_i) / Σ_j f_j(x_i)`` (Eqs. 7, 8).
+
+It is a server refiner on FedAvg: :meth:`refine` distils after aggregation; :meth:`after_aggregate` then
+replaces the global generator by the average of the uploaded ones (the distillation used the round-start
+generator, card ambiguity 4).
+
+Switches (card §5-6, Table 3): ``importance: uniform`` ("no correlation": α̂ = 1/K_t), ``discriminator:
+separate`` ("no sharing"), ``style: code`` (teachers mixed as logits, T = 20, KL mean over B·M, the code's
+GAN schedule: discriminator in rounds 1-3, generator in rounds 1-5, first 5 local epochs), ``privacy: true``
+(Appendix B: no discriminator upload; each client regenerates the round's distillation inputs from a seed
+sent with the model and uploads ``f_k(x_i)·s_k(x_i)`` and ``f_k(x_i)``, whose sums over the clients are all
+the server needs: ``Σ_k f_k s_k / Σ_k f_k`` is Eq. 8's teacher).
+
+Persistent state: the global generator ``dafkd_generator`` (server, flat, BN statistics included; initial
+weights from ``derive_seed(seed, DAFKD, 0)``) and each client's discriminator (``client.state``: the head
+ψ_k, or the whole separate network), initialised on the client's first participation and never shared
+between clients; both survive checkpoint/resume. Randomness: the client's noise comes from its round
+stream; the server's distillation noise from ``derive_seed(seed, DAFKD, round)`` (sent to the clients in
+privacy mode, so both sides generate the same inputs).
+
+Deviations, stated: the local optimiser is the run's ``local`` SGD by default (``client_optimizer: adam`` is
+the card's Adam with the run's lr and weight decay); the generator emits the dataset's own image size
+(DCGAN with a 7-pixel first layer for 28×28) instead of resizing 28×28 data to 32×32 (card ambiguity 11).
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from typing import Any, Literal
+
+import torch
+from pydantic import Field, model_validator
+from torch import nn
+
+from ..engine.seeding import DAFKD, derive_seed
+from ..losses import (
+    discriminator_loss,
+    domain_aware_distillation,
+    domain_aware_teacher,
+    domain_log_importance,
+    generator_adversarial_loss,
+)
+from ..models.flat import get_flat, set_flat
+from ..models.generators import build_generator
+from ..registry import ALGORITHMS
+from .aggregate import aggregation_weights, weighted_mean
+from .base import ClientContext, Message, RoundInfo, ServerContext
+from .fedavg import FedAvg, FedAvgParams
+from .local import autocast_context
+from .server_modules import PersistentModule
+
+GENERATOR_KEY = "dafkd_generator"  # server.state: the global generator θ_g (flat, BN statistics included)
+DISCRIMINATOR_KEY = "dafkd_discriminator"  # client.state: ψ_k (shared design) or the whole separate network
+# The code's GAN schedule (card §5 "GAN training", ambiguity 6): D in rounds 0-2, G in rounds 0-4, 5 epochs.
+CODE_STYLE = {
+    "ensemble_space": "logits",
+    "temperature": 20.0,
+    "kd_reduction": "mean",
+    "discriminator_rounds": 3,
+    "generator_rounds": 5,
+    "gan_epochs": 5,
+}
+
+
+class DaFKDParams(FedAvgParams):
+    style: Literal["paper", "code"] = Field(
+        "paper", description="defaults of the unset switches below: the paper's, or the released code's (card §5)"
+    )
+    importance: Literal["discriminator", "uniform"] = Field(
+        "discriminator", description="α̂ of Eq. 7, or 1/K_t (Table 3: no correlation)"
+    )
+    discriminator: Literal["shared", "separate"] = Field(
+        "shared", description="ψ_k on the classifier's extractor, or a separate network (Table 3: no sharing)"
+    )
+    privacy: bool = Field(False, description="Appendix B: upload f_k·s_k and f_k on the round's samples, not ψ_k")
+    ensemble_space: Literal["probs", "logits"] = Field("probs", description="Eq. 8 mixes probabilities (code: logits)")
+    temperature: float = Field(1.0, gt=0.0, description="T of Eq. 8 (paper: none = 1; code: 20)")
+    kd_reduction: Literal["batchmean", "mean"] = Field("batchmean", description="KL over the batch, or over B·M (code)")
+    distill_samples: int = Field(1280, ge=1, description="N: generated distillation inputs per round (40 x 32)")
+    distill_epochs: int = Field(40, ge=0, description="E_d: passes over the N samples (0 = FedAvg of the uploads)")
+    distill_batch_size: int = Field(32, ge=1, description="distillation batch size")
+    distill_lr: float = Field(1e-2, gt=0.0, description="server Adam lr (paper 1e-2; code 1e-4)")
+    plateau_factor: float = Field(0.2, gt=0.0, lt=1.0, description="ReduceLROnPlateau factor on the epoch loss")
+    plateau_patience: int = Field(2, ge=0, description="ReduceLROnPlateau patience (epochs)")
+    client_optimizer: Literal["sgd", "adam"] = Field(
+        "sgd", description="joint-loss optimiser: the run's local SGD, or Adam with local.lr/weight_decay (card)"
+    )
+    noise_dim: int = Field(100, ge=1, description="d of the DCGAN generator")
+    generator_width: int = Field(64, ge=1, description="n_g of the DCGAN generator")
+    generator_lr: float = Field(1e-3, gt=0.0, description="client generator Adam lr")
+    generator_weight_decay: float = Field(1e-3, ge=0.0, description="client generator Adam weight decay")
+    discriminator_rounds: int | None = Field(None, ge=0, description="train D only in the first N rounds (null: all)")
+    generator_rounds: int | None = Field(None, ge=0, description="train G only in the first N rounds (null: all)")
+    gan_epochs: int | None = Field(None, ge=0, description="train D and G only in the first N local epochs (null: all)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _style_defaults(cls, data: Any) -> Any:
+        # ``style: code`` fills the switches the user did not set; explicit values always win.
+        if isinstance(data, dict) and data.get("style") == "code":
+            return {**CODE_STYLE, **data}
+        return data
+
+
+class _Discriminator(nn.Module):
+    """Client k's discriminator: ``ψ_k(φ_k(x))`` over the classifier (shared) or its own network (separate)."""
+
+    def __init__(self, classifier: nn.Module, separate: bool) -> None:
+        super().__init__()
+        self.separate = separate
+        if separate:  # same architecture, one output; its extractor starts from w_g^0 (set by the caller)
+            self.network = copy.deepcopy(classifier)
+            self.network.classifier = nn.Linear(classifier.classifier.in_features, 1)
+            self.head = self.network.classifier
+        else:
+            self.head = nn.Linear(classifier.classifier.in_features, 1)
+
+    def logits(self, classifier: nn.Module, x: torch.Tensor, features: torch.Tensor | None = None) -> torch.Tensor:
+        """ℓ(x), shape (B,); ``features`` = the classifier's φ(x) when the caller already has them."""
+        if self.separate:
+            return self.network(x).squeeze(1)
+        if features is None:
+            features = classifier.extract(x)
+        return self.head(features).squeeze(1)
+
+    def state_vector(self) -> torch.Tensor:
+        return get_flat(self.network if self.separate else self.head)
+
+    def load_vector(self, vector: torch.Tensor) -> None:
+        set_flat(self.network if self.separate else self.head, vector)
+
+
+@ALGORITHMS.register("dafkd")
+class DaFKD(FedAvg):
+    """DaFKD: FedAvg with per-client discriminators, an averaged generator and domain-aware distillation."""
+
+    name = "dafkd"
+    Params = DaFKDParams
+
+    def __init__(self, params: DaFKDParams, local: Any) -> None:
+        super().__init__(params, local)
+        self._generator = PersistentModule(GENERATOR_KEY, DAFKD, self._build_generator)
+        # Modules reused by every local update of this worker and by the server (built once, reloaded).
+        self._client_generator: nn.Module | None = None
+        self._client_discriminator: _Discriminator | None = None
+        self._teacher: nn.Module | None = None
+        self._teacher_discriminator: _Discriminator | None = None
+
+    def _build_generator(self, server: ServerContext) -> nn.Module:
+        return build_generator(
+            "dcgan", server.input_shape, server.num_classes, noise_dim=self.params.noise_dim, ngf=self.params.generator_width
+        )
+
+    # -- schedule ---------------------------------------------------------------------------------
+    def distils(self, rnd: int) -> bool:
+        """No distillation in round 1 (the card's round 0: the generator is untrained) or with E_d = 0."""
+        return rnd >= 2 and self.params.distill_epochs > 0
+
+    @staticmethod
+    def _active(limit: int | None, index: int) -> bool:
+        return limit is None or index < limit
+
+    def distill_noise_seed(self, seed: int, rnd: int) -> int:
+        """The seed of round ``rnd``'s distillation noise: the server's stream, also sent in privacy mode."""
+        return derive_seed(seed, DAFKD, rnd)
+
+    def distill_inputs(self, generator: nn.Module, noise_seed: int, device: torch.device, precision: str) -> torch.Tensor:
+        """The round's N distillation inputs ``g(z; θ_g^t)`` (generator in eval mode, no gradient), fp32."""
+        noise = torch.randn(
+            self.params.distill_samples, self.params.noise_dim, generator=torch.Generator().manual_seed(noise_seed)
+        ).to(device)
+        generator.eval()
+        with torch.no_grad(), autocast_context(precision, device):
+            return generator(noise).float()
+
+    # -- server ---------------------------------------------------------------------------------
+    def init_server(self, server: ServerContext) -> None:
+        if len(server.input_shape) == 3:  # else made on first use (a bare ServerContext in a test)
+            self._generator.init_state(server)
+
+    def broadcast_extras(self, server: ServerContext, info: RoundInfo, cid: int) -> dict[str, Any]:
+        extras: dict[str, Any] = {"generator": self._generator.init_state(server)}
+        if self.params.privacy and self.distils(info.round):
+            extras["distill_seed"] = self.distill_noise_seed(server.seed, info.round)
+        return extras
+
+    def refine(self, server: ServerContext, info: RoundInfo, replies: list[Message], cids: list[int]) -> dict[str, float]:
+        if not self.distils(info.round):
+            return {}  # w_{t+1} = ŵ_{t+1}, the n_k-weighted average
+        started = time.perf_counter()
+        p = self.params
+        generator = self._generator.load(server)  # still θ_g^t: the average replaces it in after_aggregate
+        x = self.distill_inputs(generator, self.distill_noise_seed(server.seed, info.round), server.device, server.precision)
+        log_target = self.teacher_target(server, x, replies)
+        loss = distil(server.model, x, log_target, p, server.precision)
+        return {"dafkd_kd_loss": loss, "dafkd_refine_seconds": time.perf_counter() - started}
+
+    def teacher_target(self, server: ServerContext, x: torch.Tensor, replies: list[Message]) -> torch.Tensor:
+        """``log q`` (N, M) of Eq. 8 on the distillation inputs ``x``."""
+        p = self.params
+        if p.privacy:
+            return privacy_teacher(
+                [r["weighted_predictions"] for r in replies], [r["domain_scores"] for r in replies],
+                p.ensemble_space, p.temperature,
+            )  # fmt: skip
+        logits, disc_logits = [], []
+        teacher, discriminator = self._server_teachers(server)
+        with torch.no_grad(), autocast_context(server.precision, server.device):
+            for reply in replies:  # K forwards on N samples: the targets are fixed for the round
+                set_flat(teacher, reply["weights"])
+                features = teacher.extract(x)
+                logits.append(teacher.classify(features).float())
+                if p.importance == "discriminator":
+                    discriminator.load_vector(reply["discriminator"])
+                    disc_logits.append(discriminator.logits(teacher, x, features).float())
+        teacher_logits = torch.stack(logits)
+        if p.importance == "uniform":
+            log_alpha = torch.full(teacher_logits.shape[:2], -torch.log(torch.tensor(float(len(replies)))).item())
+        else:
+            log_alpha = domain_log_importance(torch.stack(disc_logits))
+        return domain_aware_teacher(teacher_logits, log_alpha.to(teacher_logits.device), p.temperature, p.ensemble_space)
+
+    def _server_teachers(self, server: ServerContext) -> tuple[nn.Module, _Discriminator]:
+        if self._teacher is None:
+            self._teacher = copy.deepcopy(server.model).requires_grad_(False).eval()
+            self._teacher_discriminator = _Discriminator(self._teacher, self.params.discriminator == "separate")
+            self._teacher_discriminator.to(server.device).requires_grad_(False).eval()
+        assert self._teacher_discriminator is not None
+        return self._teacher, self._teacher_discriminator
+
+    def after_aggregate(self, server: ServerContext, info: RoundInfo, replies: list[Message], cids: list[int]) -> dict[str, float]:
+        # Eq. (4): θ_g^{t+1} = Σ p_k θ_k^g (parameters and BN statistics alike), with the model's weighting.
+        weights = aggregation_weights([int(r["num_samples"]) for r in replies], self.params.weighting)
+        server.state[GENERATOR_KEY] = weighted_mean([r["generator"] for r in replies], weights)
+        return super().after_aggregate(server, info, replies, cids)
+
+    # -- client ---------------------------------------------------------------------------------
+    def local_update(self, client: ClientContext, info: RoundInfo, msg: Message) -> Message:
+        p = self.params
+        model = client.model
+        set_flat(model, msg["weights"])
+        generator = self._worker_generator(client, msg["generator"])
+        discriminator = self._worker_discriminator(client)
+        train_d = self._active(p.discriminator_rounds, info.round - 1)
+        train_g = self._active(p.generator_rounds, info.round - 1)
+        # One optimiser over (φ_k, h_k, ψ_k) (card §4; the separate network's extractor too).
+        joint_params = list(model.parameters()) + list(
+            discriminator.network.parameters() if discriminator.separate else discriminator.head.parameters()
+        )
+        if p.client_optimizer == "adam":
+            optimizer: torch.optim.Optimizer = torch.optim.Adam(joint_params, lr=info.lr, weight_decay=self.local.weight_decay)
+        else:
+            optimizer = torch.optim.SGD(
+                joint_params, lr=info.lr, momentum=self.local.momentum, weight_decay=self.local.weight_decay
+            )
+        generator_params = list(generator.parameters())
+        # The card's generator optimiser: Adam(0.5, 0.99), amsgrad; fresh each round on the local copy θ_k^g.
+        optimizer_g = torch.optim.Adam(
+            generator_params, lr=p.generator_lr, betas=(0.5, 0.99), amsgrad=True, weight_decay=p.generator_weight_decay
+        )
+        model.train()
+        discriminator.train()
+        generator.train()
+        loss_sum = torch.zeros((), dtype=torch.float64)
+        seen = 0
+        for epoch in range(self.local.epochs):
+            gan_epoch = self._active(p.gan_epochs, epoch)
+            for x, y in client.data.epoch_batches(client.train_indices, self.local.batch_size, client.generator):
+                with autocast_context(client.precision, client.device):
+                    features = model.extract(x)
+                    loss = torch.nn.functional.cross_entropy(model.classify(features).float(), y)
+                    if train_d and gan_epoch:  # Eq. (9): L_J = CE + L_adv on the same real batch
+                        with torch.no_grad():
+                            fake = generator(self._noise(x.shape[0], client))
+                        real_logits = discriminator.logits(model, x, features)
+                        fake_logits = discriminator.logits(model, fake)
+                        loss = loss + discriminator_loss(real_logits, fake_logits)
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                if self.params.grad_clip is not None:
+                    nn.utils.clip_grad_norm_(joint_params, self.params.grad_clip)
+                optimizer.step()
+                loss_sum += loss.detach().double() * y.shape[0]
+                seen += int(y.shape[0])
+                if train_g and gan_epoch:  # Eq. (3): only θ_k^g moves (gradients for the generator alone)
+                    with autocast_context(client.precision, client.device):
+                        fake_logits = discriminator.logits(model, generator(self._noise(x.shape[0], client)))
+                        loss_g = generator_adversarial_loss(fake_logits)
+                    optimizer_g.zero_grad(set_to_none=True)
+                    loss_g.backward(inputs=generator_params)
+                    optimizer_g.step()
+        client.state[DISCRIMINATOR_KEY] = discriminator.state_vector()
+        reply: dict[str, Any] = {
+            "weights": get_flat(model),
+            "num_samples": client.num_samples,
+            "train_loss": float(loss_sum / seen) if seen else float("nan"),
+            "generator": get_flat(generator),
+        }
+        if p.privacy:
+            if "distill_seed" in msg:
+                reply.update(self._privacy_upload(client, msg, discriminator))
+        elif p.importance == "discriminator":
+            reply["discriminator"] = client.state[DISCRIMINATOR_KEY]
+        return Message(reply)
+
+    def _noise(self, n: int, client: ClientContext) -> torch.Tensor:
+        return torch.randn(n, self.params.noise_dim, generator=client.generator).to(client.device)
+
+    def _worker_generator(self, client: ClientContext, vector: torch.Tensor) -> nn.Module:
+        if self._client_generator is None:
+            self._client_generator = build_generator(
+                "dcgan", tuple(client.model.input_shape), client.data.num_classes,
+                noise_dim=self.params.noise_dim, ngf=self.params.generator_width,
+            ).to(client.device)  # fmt: skip
+        set_flat(self._client_generator, vector)
+        return self._client_generator
+
+    def _worker_discriminator(self, client: ClientContext) -> _Discriminator:
+        """The reused discriminator module loaded with this client's ψ_k (initialised on first participation)."""
+        if self._client_discriminator is None:
+            self._client_discriminator = _Discriminator(client.model, self.params.discriminator == "separate").to(client.device)
+        disc = self._client_discriminator
+        stored = client.state.get(DISCRIMINATOR_KEY)
+        if stored is None:
+            stored = self.initial_discriminator(client, disc)
+        disc.load_vector(stored)
+        return disc
+
+    def initial_discriminator(self, client: ClientContext, disc: _Discriminator) -> torch.Tensor:
+        """ψ_k⁰ (and, separate, an extractor from w_g^0): seeded by the client's stream, never shared."""
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(int(torch.randint(0, 2**62, (1,), generator=client.generator)))
+            head = nn.Linear(disc.head.in_features, 1)
+        if not disc.separate:
+            return get_flat(head)
+        # The separate network's extractor starts from w_g^0 (every client knows it from the config).
+        start = client.initial_weights if client.initial_weights is not None else get_flat(client.model)
+        extractor = {
+            name: tensor
+            for name, tensor in named_flat(client.model, start).items()
+            if not name.startswith("classifier.")
+        }
+        disc.network.load_state_dict(extractor, strict=False)
+        set_flat(disc.head, get_flat(head))
+        return disc.state_vector()
+
+    def _privacy_upload(self, client: ClientContext, msg: Message, discriminator: _Discriminator) -> dict[str, Any]:
+        """Appendix B: ``f_k(x_i)·v_k(x_i)`` and ``f_k(x_i)`` on the round's regenerated inputs (float64)."""
+        p = self.params
+        generator = self._worker_generator(client, msg["generator"])  # θ_g^t again, not the local copy
+        x = self.distill_inputs(generator, int(msg["distill_seed"]), client.device, client.precision)
+        model = client.model
+        model.eval()
+        discriminator.eval()
+        with torch.no_grad(), autocast_context(client.precision, client.device):
+            features = model.extract(x)
+            logits = model.classify(features).float()
+            disc_logits = discriminator.logits(model, x, features).float()
+        if p.importance == "uniform":
+            scores = torch.ones(x.shape[0], dtype=torch.float64)
+        else:
+            scores = torch.sigmoid(disc_logits.double())
+        values = torch.softmax(logits.double() / p.temperature, dim=1) if p.ensemble_space == "probs" else logits.double()
+        return {"weighted_predictions": (scores.unsqueeze(1) * values).cpu(), "domain_scores": scores.cpu()}
+
+
+def named_flat(model: nn.Module, vector: torch.Tensor) -> dict[str, torch.Tensor]:
+    """``vector`` (a :func:`get_flat` layout of ``model``) cut into the model's floating-point state by name."""
+    out, offset = {}, 0
+    for name, tensor in model.state_dict().items():
+        if tensor.is_floating_point():
+            out[name] = vector[offset : offset + tensor.numel()].view_as(tensor)
+            offset += tensor.numel()
+    return out
+
+
+def privacy_teacher(
+    weighted_predictions: list[torch.Tensor], scores: list[torch.Tensor], space: str, temperature: float
+) -> torch.Tensor:
+    """Appendix B's teacher from the clients' secure sums: ``mix = Σ_k f_k v_k / Σ_k f_k`` (= Σ_k α̂_k v_k).
+
+    ``v = softmax(z/T)`` (probs: ``q = mix``) or ``v = z`` (logits: ``q = softmax(mix/T)``). Samples whose
+    scores all underflow (Σ_k f_k = 0 in float64, ℓ below about −745 everywhere) get the uniform mixture.
+    """
+    numerator = torch.stack(weighted_predictions).sum(dim=0)
+    denominator = torch.stack(scores).sum(dim=0).unsqueeze(1)
+    mix = torch.where(denominator > 0, numerator / denominator.clamp_min(1e-300), torch.full_like(numerator, float("nan")))
+    if bool(torch.isnan(mix).any()):
+        raise ValueError("DaFKD privacy mode: every client's discriminator score underflowed on some sample")
+    if space == "probs":
+        return mix.clamp_min(0).log().float()
+    return torch.log_softmax(mix.float() / temperature, dim=1)
+
+
+def distil(
+    student: nn.Module,
+    inputs: torch.Tensor,
+    log_target: torch.Tensor,
+    p: DaFKDParams,
+    precision: str,
+) -> float:
+    """Card §4's server distillation: Adam(distill_lr) from ŵ, E_d epochs over the N inputs in batches, the lr
+    cut by ``plateau_factor`` after ``plateau_patience`` epochs without a lower mean loss. Student in train
+    mode (card ambiguity 8). The batch order is fixed for the round (the card: "fixed order"). Returns the
+    last epoch's mean loss."""
+    device = next(student.parameters()).device
+    params = [q for q in student.parameters() if q.requires_grad]
+    optimizer = torch.optim.Adam(params, lr=p.distill_lr)
+    plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, factor=p.plateau_factor, patience=p.plateau_patience)
+    was_training = student.training
+    student.train()
+    n = inputs.shape[0]
+    epoch_loss = float("nan")
+    for _ in range(p.distill_epochs):
+        total = torch.zeros((), dtype=torch.float64)
+        for start in range(0, n, p.distill_batch_size):
+            xb = inputs[start : start + p.distill_batch_size].to(device)
+            tb = log_target[start : start + p.distill_batch_size].to(device)
+            with autocast_context(precision, device):
+                logits = student(xb)
+            loss = domain_aware_distillation(logits, tb, p.temperature, p.kd_reduction)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            total += loss.detach().double() * xb.shape[0]
+        epoch_loss = float(total / n)
+        plateau.step(epoch_loss)
+    student.train(was_training)
+    return epoch_loss

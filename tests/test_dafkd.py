@@ -1,0 +1,269 @@
+"""DaFKD invariants from spec/dafkd.md §7, its losses written out by hand, and end-to-end behaviour."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from conftest import assert_learns, assert_resume_is_exact, small_config
+
+from fedistill.algorithms.aggregate import aggregation_weights, weighted_mean
+from fedistill.algorithms.build import make_algorithm
+from fedistill.algorithms.dafkd import DISCRIMINATOR_KEY, GENERATOR_KEY
+from fedistill.engine.simulation import Simulation
+from fedistill.errors import ConfigError
+from fedistill.losses import (
+    discriminator_loss,
+    domain_aware_distillation,
+    domain_aware_teacher,
+    domain_log_importance,
+    generator_adversarial_loss,
+)
+from fedistill.models import build_model
+from fedistill.models.flat import get_flat, num_flat
+from fedistill.models.generators import build_generator
+
+DAFKD = {"algorithm.name": "dafkd"}
+# Small server and generator work for the digits tests: 64 samples, 2 epochs, a narrow DCGAN. Distillation lr
+# 1e-4 (the code's): Adam moves every weight by about its lr per step whatever the gradient's size, and at the
+# paper's 1e-2 the near-agreeing ensemble of these tiny models knocks the 8x8 CNN back by 10-20 points a round.
+QUICK = {
+    "algorithm.distill_samples": 64,
+    "algorithm.distill_epochs": 2,
+    "algorithm.distill_lr": 1e-4,
+    "algorithm.noise_dim": 16,
+    "algorithm.generator_width": 16,
+}
+
+
+def _round(sim, rnd, states=None):
+    """Broadcast and run the clients of one round by hand; returns (info, {cid: reply}).
+
+    ``states`` (cid -> client state dict) is used and filled when given; else every client starts fresh."""
+    info = sim.round_info(rnd)
+    replies = {}
+    for cid in sim.server_runtime.select_clients(rnd):
+        state = states.setdefault(cid, {}) if states is not None else {}
+        replies[cid] = sim.client_runtime.update(cid, info, sim.server_runtime.broadcast(info, cid), state)
+    return info, replies
+
+
+# -- losses ---------------------------------------------------------------------------------------------
+
+
+def test_importance_is_a_distribution_over_clients_even_when_every_score_underflows():
+    logits = torch.tensor([[2.0, -300.0, 0.5], [-1.0, -200.0, 0.5], [0.0, -250.0, 0.5]])  # (K=3, N=3)
+    alpha = domain_log_importance(logits).exp()
+    assert torch.isfinite(alpha).all() and bool((alpha >= 0).all())
+    assert torch.allclose(alpha.sum(dim=0), torch.ones(3))
+    # Column 0 by hand: α_k = f_k / Σ_j f_j with f = sigmoid.
+    f = [1 / (1 + math.exp(-v)) for v in (2.0, -1.0, 0.0)]
+    assert torch.allclose(alpha[:, 0], torch.tensor([v / sum(f) for v in f]), atol=1e-6)
+    # Column 1: every f underflows; f_k ≈ e^{ℓ_k}, so α is the softmax of the logits.
+    assert torch.allclose(alpha[:, 1], torch.softmax(torch.tensor([-300.0, -200.0, -250.0]), 0), atol=1e-6)
+    # Column 2: identical discriminators give uniform weights.
+    assert torch.allclose(alpha[:, 2], torch.full((3,), 1 / 3))
+
+
+def test_teacher_mixture_written_out_in_probability_and_logit_space():
+    gen = torch.Generator().manual_seed(0)
+    z = torch.randn(3, 4, 5, generator=gen)  # K, N, M
+    disc = torch.randn(3, 4, generator=gen)
+    T = 2.0
+    f = torch.sigmoid(disc)
+    alpha = f / f.sum(dim=0)
+    probs = sum(alpha[k].unsqueeze(1) * torch.softmax(z[k] / T, dim=1) for k in range(3))
+    log_q = domain_aware_teacher(z, domain_log_importance(disc), T, "probs")
+    assert torch.allclose(log_q.exp(), probs, atol=1e-6)
+    assert torch.allclose(log_q.exp().sum(dim=1), torch.ones(4))
+    mixed_logits = sum(alpha[k].unsqueeze(1) * z[k] for k in range(3))
+    log_q = domain_aware_teacher(z, domain_log_importance(disc), T, "logits")
+    assert torch.allclose(log_q.exp(), torch.softmax(mixed_logits / T, dim=1), atol=1e-6)
+
+
+def test_a_confident_discriminator_selects_its_teacher_and_uniform_is_the_plain_ensemble():
+    z = torch.randn(3, 6, 4)
+    confident = torch.full((3, 6), -50.0)
+    confident[1] = 50.0
+    q = domain_aware_teacher(z, domain_log_importance(confident), 1.0, "probs").exp()
+    assert torch.allclose(q, torch.softmax(z[1], dim=1), atol=1e-5)
+    uniform = torch.full((3, 6), -math.log(3))
+    q = domain_aware_teacher(z, uniform, 1.0, "probs").exp()
+    assert torch.allclose(q, torch.softmax(z, dim=2).mean(dim=0), atol=1e-6)
+
+
+@pytest.mark.parametrize("reduction, divisor", [("batchmean", 4), ("mean", 4 * 5)])
+def test_distillation_loss_written_out(reduction, divisor):
+    gen = torch.Generator().manual_seed(1)
+    student = torch.randn(4, 5, generator=gen, requires_grad=True)
+    q = torch.softmax(torch.randn(4, 5, generator=gen), dim=1)
+    T = 3.0
+    s = torch.softmax(student / T, dim=1)
+    expected = T**2 * (q * (q.log() - s.log())).sum() / divisor
+    value = domain_aware_distillation(student, q.log(), T, reduction)
+    assert torch.allclose(value, expected, atol=1e-6)
+    # KL ≥ 0, and 0 with no gradient when the student is the teacher.
+    assert float(value.detach()) > 0
+    same = torch.randn(4, 5, requires_grad=True)
+    loss = domain_aware_distillation(same, torch.log_softmax(same.detach() / T, dim=1), T, reduction)
+    loss.backward()
+    assert abs(float(loss.detach())) < 1e-6 and float(same.grad.abs().max()) < 1e-6
+
+
+def test_adversarial_losses_written_out_with_the_cards_signs():
+    real = torch.tensor([0.3, -1.2], requires_grad=True)
+    fake = torch.tensor([2.0, -0.4], requires_grad=True)
+    log_sig = lambda v: -math.log1p(math.exp(-v))  # noqa: E731
+    expected = -(log_sig(0.3) + log_sig(-1.2)) / 2 - (log_sig(-2.0) + log_sig(0.4)) / 2  # log(1 − σ(v)) = logσ(−v)
+    loss = discriminator_loss(real, fake)
+    assert math.isclose(float(loss.detach()), expected, rel_tol=1e-6)
+    loss.backward()
+    # Minimising it raises the real logits and lowers the fake ones.
+    assert bool((real.grad < 0).all()) and bool((fake.grad > 0).all())
+    fake2 = torch.tensor([2.0, -0.4], requires_grad=True)
+    g = generator_adversarial_loss(fake2)
+    assert math.isclose(float(g), -(log_sig(2.0) + log_sig(-0.4)) / 2, rel_tol=1e-6)
+    g.backward()
+    assert bool((fake2.grad < 0).all())  # the generator pushes its samples toward "real"
+
+
+def test_theorem_one_a_tabular_discriminator_converges_to_p_over_p_plus_pg():
+    """Card §7: trained on Eq. 2 against a fixed fake distribution, f(x) → p(x) / (p(x) + p_g(x))."""
+    p_real = torch.tensor([0.5, 0.3, 0.1, 0.1])
+    p_fake = torch.tensor([0.1, 0.2, 0.3, 0.4])
+    real_batch = torch.repeat_interleave(torch.arange(4), (p_real * 100).long())  # exact proportions
+    fake_batch = torch.repeat_interleave(torch.arange(4), (p_fake * 100).long())
+    table = torch.zeros(4, requires_grad=True)
+    opt = torch.optim.SGD([table], lr=5.0)
+    for _ in range(3000):
+        opt.zero_grad()
+        discriminator_loss(table[real_batch], table[fake_batch]).backward()
+        opt.step()
+    assert torch.allclose(torch.sigmoid(table.detach()), p_real / (p_real + p_fake), atol=1e-3)
+
+
+# -- the method on digits --------------------------------------------------------------------------------
+
+
+def test_round_one_and_no_distillation_give_the_weighted_average_of_the_uploads(digits):
+    for rnd, overrides in ((1, {}), (2, {"algorithm.distill_epochs": 0})):
+        sim = Simulation(small_config(**DAFKD, **{**QUICK, **overrides}), digits)
+        for earlier in range(1, rnd):
+            sim.run_round(earlier)
+        info, replies = _round(sim, rnd)
+        ordered = [replies[c] for c in sorted(replies)]
+        weights = aggregation_weights([int(r["num_samples"]) for r in ordered])
+        sim.algorithm.aggregate(sim.server, info, replies)
+        assert torch.equal(get_flat(sim.server.model), weighted_mean([r["weights"] for r in ordered], weights))
+        # Eq. (4): the new global generator is the p_k-weighted average of the local ones.
+        assert torch.equal(sim.server.state[GENERATOR_KEY], weighted_mean([r["generator"] for r in ordered], weights))
+
+
+def test_distillation_changes_the_average_from_round_two(digits):
+    sim = Simulation(small_config(**DAFKD, **QUICK), digits)
+    sim.run_round(1)
+    info, replies = _round(sim, 2)
+    ordered = [replies[c] for c in sorted(replies)]
+    average = weighted_mean([r["weights"] for r in ordered], aggregation_weights([int(r["num_samples"]) for r in ordered]))
+    metrics = sim.algorithm.aggregate(sim.server, info, replies)
+    assert not torch.equal(get_flat(sim.server.model), average)
+    assert metrics["dafkd_kd_loss"] >= 0 and metrics["dafkd_refine_seconds"] > 0
+
+
+def test_discriminator_heads_persist_per_client_and_differ_between_clients(digits):
+    sim = Simulation(small_config(**DAFKD, **QUICK, rounds=1), digits)
+    states: dict = {}
+    info, replies = _round(sim, 1, states)
+    heads = {cid: reply["discriminator"] for cid, reply in replies.items()}
+    feature_dim = build_model("digits_cnn", (1, 8, 8), 10).feature_dim
+    assert all(h.numel() == feature_dim + 1 for h in heads.values())
+    values = list(heads.values())
+    assert all(not torch.equal(values[0], other) for other in values[1:])
+    # The ψ_k a client starts its next participation with is the one it uploaded.
+    for cid, head in heads.items():
+        assert torch.equal(states[cid][DISCRIMINATOR_KEY], head)
+        context = sim.client_runtime.context(cid, 2, states[cid])
+        assert torch.equal(sim.client_runtime.algorithm._worker_discriminator(context).state_vector(), head)
+
+
+def test_generator_step_moves_only_the_generator(digits):
+    """Card §7: with the discriminator off, the generator's steps change neither the classifier nor ψ_k."""
+    base = {**DAFKD, **QUICK, "algorithm.discriminator_rounds": 0, "rounds": 1}
+    on = Simulation(small_config(**base), digits)
+    off = Simulation(small_config(**base, **{"algorithm.generator_rounds": 0}), digits)
+    broadcast = on.server.state[GENERATOR_KEY].clone()
+    _, with_g = _round(on, 1)
+    _, without_g = _round(off, 1)
+    for cid in with_g:
+        assert torch.equal(with_g[cid]["weights"], without_g[cid]["weights"])
+        assert torch.equal(with_g[cid]["discriminator"], without_g[cid]["discriminator"])
+        assert not torch.equal(with_g[cid]["generator"], broadcast)
+        assert torch.equal(without_g[cid]["generator"], broadcast)
+
+
+def test_privacy_variant_gives_the_discriminator_teacher(digits):
+    """Appendix B: Σ_k f_k s_k / Σ_k f_k from the clients' uploads equals Eq. 8 with the discriminators."""
+    plain = Simulation(small_config(**DAFKD, **QUICK), digits)
+    private = Simulation(small_config(**DAFKD, **QUICK, **{"algorithm.privacy": True}), digits)
+    for sim in (plain, private):
+        sim.run_round(1)
+    info, plain_replies = _round(plain, 2)
+    _, private_replies = _round(private, 2)
+    order = sorted(plain_replies)
+    for cid in order:  # local training is the same; only the extra upload differs
+        assert torch.equal(plain_replies[cid]["weights"], private_replies[cid]["weights"])
+        assert "discriminator" not in private_replies[cid]
+        assert private_replies[cid]["weighted_predictions"].shape == (64, 10)
+    algorithm = plain.algorithm
+    generator = algorithm._generator.load(plain.server)
+    x = algorithm.distill_inputs(generator, algorithm.distill_noise_seed(plain.server.seed, 2), plain.server.device, "fp32")
+    expected = algorithm.teacher_target(plain.server, x, [plain_replies[c] for c in order])
+    got = private.algorithm.teacher_target(private.server, x, [private_replies[c] for c in order])
+    assert torch.allclose(got.exp(), expected.exp(), atol=1e-5)
+    plain.algorithm.aggregate(plain.server, info, plain_replies)
+    private.algorithm.aggregate(private.server, info, private_replies)
+    assert torch.allclose(get_flat(plain.server.model), get_flat(private.server.model), atol=1e-4)
+
+
+def test_bytes_count_the_generator_both_ways_and_the_head_up(digits):
+    fedavg = Simulation(small_config(algorithm="fedavg", rounds=1), digits).run()[-1]
+    dafkd = Simulation(small_config(**DAFKD, **QUICK, rounds=1), digits).run()[-1]
+    generator = build_generator("dcgan", (1, 8, 8), 10, noise_dim=16, ngf=16)
+    head = build_model("digits_cnn", (1, 8, 8), 10).feature_dim + 1
+    clients = 3
+    assert dafkd["bytes_down"] == fedavg["bytes_down"] + clients * 4 * num_flat(generator)
+    assert dafkd["bytes_up"] == fedavg["bytes_up"] + clients * 4 * (num_flat(generator) + head)
+
+
+def test_separate_discriminator_uploads_a_whole_network_and_starts_from_the_initial_extractor(digits):
+    sim = Simulation(small_config(**DAFKD, **QUICK, **{"algorithm.discriminator": "separate"}, rounds=1), digits)
+    _, replies = _round(sim, 1)
+    model = build_model("digits_cnn", (1, 8, 8), 10)
+    size = num_flat(model) - 10 * (model.feature_dim + 1) + model.feature_dim + 1
+    assert all(r["discriminator"].numel() == size for r in replies.values())
+
+
+def test_code_style_fills_unset_switches_and_explicit_values_win():
+    algorithm = make_algorithm(small_config(**DAFKD, **{"algorithm.style": "code"}))
+    p = algorithm.params
+    assert (p.ensemble_space, p.temperature, p.kd_reduction) == ("logits", 20.0, "mean")
+    assert (p.discriminator_rounds, p.generator_rounds, p.gan_epochs) == (3, 5, 5)
+    p = make_algorithm(small_config(**DAFKD, **{"algorithm.style": "code", "algorithm.temperature": 4.0})).params
+    assert p.temperature == 4.0
+
+
+def test_dafkd_cannot_be_an_ingredient():
+    with pytest.raises(ConfigError, match="dafkd"):
+        make_algorithm(small_config(algorithm="fedavg", **{"algorithm.plus": {"dafkd": {}}}))
+
+
+@pytest.mark.parametrize("importance", ["discriminator", "uniform"])
+def test_dafkd_learns_on_label_skewed_digits(digits, importance):
+    assert_learns(digits, "dafkd", **QUICK, **{"algorithm.importance": importance})
+
+
+def test_resume_equals_uninterrupted_generator_and_discriminators_included(digits, tmp_path):
+    assert_resume_is_exact(
+        digits, tmp_path, "dafkd", server_keys=(GENERATOR_KEY,), client_keys=(DISCRIMINATOR_KEY,), **QUICK
+    )
