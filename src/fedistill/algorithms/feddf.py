@@ -78,6 +78,7 @@ class FedDFParams(FedAvgParams):
     # -- proxy mode (official FedDF code and README) --
     proxy_dataset: str | None = Field(None, description="registered dataset whose images are the unlabeled proxy set")
     proxy_split: Literal["train", "test"] = Field("train", description="which split of proxy_dataset to use")
+    proxy_variant: str | None = Field(None, description="the proxy dataset's variant (dataset.split), e.g. EMNIST's byclass")
     proxy_size: int | None = Field(None, ge=1, description="a fixed random subset of this many images (null = all)")
     proxy_data_dir: str | None = Field(
         None, description="data directory of proxy_dataset (default: the run's dataset.data_dir, then $FEDISTILL_DATA or ./data)"
@@ -152,7 +153,8 @@ class FedDF(FedAvg):
             raise ConfigError(
                 "feddf: mode 'proxy' needs proxy_dataset, a dataset name (e.g. mnist); or use mode: generator"
             )
-        dataset = load_dataset(p.proxy_dataset, p.proxy_data_dir or server.data_dir, verify=server.data_verify)
+        options = {} if p.proxy_variant is None else {"split": p.proxy_variant}
+        dataset = load_dataset(p.proxy_dataset, p.proxy_data_dir or server.data_dir, verify=server.data_verify, **options)
         images = dataset.train_x if p.proxy_split == "train" else dataset.test_x
         if server.input_shape and tuple(images.shape[1:]) != tuple(server.input_shape):
             shape = "x".join(str(s) for s in images.shape[1:])
