@@ -267,3 +267,12 @@ def test_resume_equals_uninterrupted_generator_and_discriminators_included(digit
     assert_resume_is_exact(
         digits, tmp_path, "dafkd", server_keys=(GENERATOR_KEY,), client_keys=(DISCRIMINATOR_KEY,), **QUICK
     )
+
+
+def test_discriminators_on_disk_give_the_same_run_as_in_memory(digits):
+    """run.client_state=disk keeps each ψ_k in a file per client; the numbers do not change."""
+    from conftest import assert_same_rounds
+
+    memory = small_config(**DAFKD, **QUICK, **{"run.client_state": "memory"})
+    disk = small_config(**DAFKD, **QUICK, **{"run.client_state": "disk"})
+    assert_same_rounds(memory, disk, digits, rounds=3)
