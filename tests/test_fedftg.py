@@ -373,9 +373,31 @@ def test_bf16_fine_tune_runs(digits):
     assert bool(torch.isfinite(get_flat(sim.server.model)).all())
 
 
-def test_feature_level_is_refused_with_a_clear_message():
-    with pytest.raises(ConfigError, match="level 'feature'.*not built yet"):
-        small_config(algorithm="fedftg", **{"algorithm.level": "feature"})
+def test_feature_level_tunes_only_the_last_layer_on_generated_features(digits):
+    """FedFTG(F) (Table 5): the generator emits penultimate features; the extractor is left as aggregated."""
+    sim = Simulation(small_config(algorithm="fedftg", **FAST, **{"algorithm.level": "feature"}), digits)
+    vectors = {}
+
+    def aggregated(server, info, replies, cids):
+        vectors["before"] = get_flat(server.model)
+        return real_refine(server, info, replies, cids)
+
+    real_refine = sim.algorithm.refine
+    sim.algorithm.refine = aggregated
+    row = sim.run_round(1)
+    after = get_flat(sim.server.model)
+    head = sum(p.numel() for p in sim.server.model.classifier.parameters())
+    # The flat vector ends with the classifier: everything before it is untouched, the head moved.
+    assert torch.equal(after[:-head], vectors["before"][:-head])
+    assert not torch.equal(after[-head:], vectors["before"][-head:])
+    generator = sim.algorithm._generator.load(sim.server)
+    out = generator(torch.randn(4, 100), torch.tensor([0, 1, 2, 3]))
+    assert out.shape == (4, sim.server.model.feature_dim)
+    assert "fedftg_md" in row and "fedftg_student_loss" in row
+
+
+def test_feature_level_learns_on_label_skewed_digits(digits):
+    assert_learns(digits, "fedftg", **{"algorithm.level": "feature", "algorithm.iterations": 2})
 
 
 def test_cli_runs_fedftg_alone_and_as_an_ingredient(tmp_path):

@@ -16,6 +16,11 @@ Randomness: the round's labels and noise come from ``make_generator(seed, FEDFTG
 initial weights from ``derive_seed(seed, FEDFTG, 0)``, so a resumed run equals an uninterrupted one. Optimisers
 are created fresh every round (card ambiguity 14); only the generator's weights persist, as a flat tensor.
 
+``level: feature`` is FedFTG(F) of the paper's Table 5 (card ambiguity 16): the generator is FedGen's
+feature generator (noise and label to penultimate features, ``feature_hidden_dim`` wide), teachers and student
+are evaluated on those features through their last layer only (:class:`HeadOnly`), and only the global
+model's last layer is fine-tuned; the extractor stays as aggregated.
+
 Speed: the teachers are never materialised as modules. One template module (a copy of the global model,
 made once) evaluates any teacher with ``torch.func.functional_call`` on views of the uploaded flat vectors,
 and the ensemble target ``p̄`` is one batched (vmapped) pass over all teachers. Teachers run under ``no_grad``
@@ -29,7 +34,7 @@ import time
 from typing import Any, Literal
 
 import torch
-from pydantic import Field, field_validator
+from pydantic import Field
 from torch import nn
 from torch.func import functional_call, vmap
 
@@ -45,7 +50,7 @@ from ..losses import (
     weighted_classification_loss,
 )
 from ..models.flat import float_state
-from ..models.generators import build_generator
+from ..models.generators import FeatureGenerator, build_generator
 from ..registry import ALGORITHMS
 from .base import ClientContext, Message, RoundInfo, ServerContext
 from .fedavg import FedAvg, FedAvgParams
@@ -83,17 +88,24 @@ class FedFTGParams(FedAvgParams):
     freeze_student_bn_stats: bool = Field(
         False, description="student BatchNorm in eval mode while distilling: keeps the real-data running stats"
     )
-    level: Literal["image", "feature"] = Field("image", description="image-level FTG (feature level not built yet)")
+    level: Literal["image", "feature"] = Field(
+        "image", description="image: CGeneratorA inputs, whole model tuned; feature: FedFTG(F) (Table 5)"
+    )
+    feature_hidden_dim: int = Field(256, ge=1, description="level feature: hidden width of the feature generator")
 
-    @field_validator("level")
-    @classmethod
-    def _image_only(cls, value: str) -> str:
-        if value != "image":
-            raise ValueError(
-                "level 'feature' (FedFTG(F), Table 5: the generator emits penultimate features and only the last "
-                "layer is tuned) is not built yet; use level: image"
-            )
-        return value
+
+class HeadOnly(nn.Module):
+    """A classifier seen from its penultimate features: ``forward(f) = model.classify(f)`` (FedFTG(F)).
+
+    Its state dict is the model's (keys prefixed ``model.``), in the same order, so the uploaded flat vectors
+    fit it unchanged and :class:`TeacherEnsemble` evaluates a teacher's head on generated features."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        return self.model.classify(features)
 
 
 class TeacherEnsemble:
@@ -166,6 +178,10 @@ class FedFTG(FedAvg):
         self._teachers = TeacherEnsemble()
 
     def _build_generator(self, server: ServerContext) -> nn.Module:
+        if self.params.level == "feature":  # FedFTG(F): FedGen's generator shape (card ambiguity 16)
+            return FeatureGenerator(
+                self.params.noise_dim, server.num_classes, server.model.feature_dim, self.params.feature_hidden_dim
+            )
         return build_generator(
             "cgenerator", server.input_shape, server.num_classes,
             noise_dim=self.params.noise_dim, ngf=self.params.generator_width,
@@ -188,12 +204,19 @@ class FedFTG(FedAvg):
         started = time.perf_counter()
         counts = torch.stack([r["label_counts"].to(torch.int64) for r in replies])  # (K, M)
         generator = self._generator.load(server)
-        teachers = self._teachers.load(server.model, [r["weights"] for r in replies], server.device)
+        student: nn.Module = server.model
+        tuned = None
+        if p.level == "feature":  # FedFTG(F): features in, only the last layer of the global model tuned
+            if getattr(self, "_head", None) is None or self._head.model is not server.model:
+                self._head = HeadOnly(server.model)
+            student, tuned = self._head, list(server.model.classifier.parameters())
+        teachers = self._teachers.load(student, [r["weights"] for r in replies], server.device)
         metrics = server_fine_tune(
-            server.model, generator, teachers, counts, p,
+            student, generator, teachers, counts, p,
             rng=make_generator(server.seed, FEDFTG, info.round),
             lr_scale=p.lr_decay ** (info.round - 1),
             precision=server.precision,
+            student_params=tuned,
         )  # fmt: skip
         self._generator.store(server, generator)
         teachers.members, teachers.stacked = [], {}  # free the round's stacked uploads
@@ -209,11 +232,13 @@ def server_fine_tune(
     rng: torch.Generator,
     lr_scale: float = 1.0,
     precision: str = "fp32",
+    student_params: list[torch.Tensor] | None = None,
 ) -> dict[str, float]:
     """Card §4 ``ServerFineTune``: I iterations of (I_g generator passes, I_d student steps), in place.
 
     ``label_counts`` is the (K, M) matrix of the teachers' ``n_k`` in teacher order. Returns the mean generator
     discrepancy L_md and the mean student loss L_S over the steps taken (absent when no such step ran).
+    ``student_params`` restricts the student's SGD to these tensors (FedFTG(F): the last layer); default all.
     """
     device = next(student.parameters()).device
     num_teachers, num_classes = label_counts.shape
@@ -226,7 +251,8 @@ def server_fine_tune(
     labels = stratified_labels(p.iterations * p.batch_size, pooled, rng)
     alpha_table = alpha_table.to(device)
 
-    student_params = [q for q in student.parameters() if q.requires_grad]
+    if student_params is None:
+        student_params = [q for q in student.parameters() if q.requires_grad]
     generator_params = [q for q in generator.parameters() if q.requires_grad]
     # Fresh optimisers every round (card ambiguity 14): plain SGD for ω, Adam for θ.
     opt_student = torch.optim.SGD(student_params, lr=p.student_lr * lr_scale, weight_decay=p.student_weight_decay)
