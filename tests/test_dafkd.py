@@ -276,3 +276,26 @@ def test_discriminators_on_disk_give_the_same_run_as_in_memory(digits):
     memory = small_config(**DAFKD, **QUICK, **{"run.client_state": "memory"})
     disk = small_config(**DAFKD, **QUICK, **{"run.client_state": "disk"})
     assert_same_rounds(memory, disk, digits, rounds=3)
+
+
+def test_dataset_resize_is_bilinear_once_at_load(digits):
+    """dataset.resize (card ambiguity 11: 28x28 -> 32x32): a 2x2 image to 4x4 written out by hand."""
+    from fedistill.data.dataset import Dataset, resized
+
+    image = torch.tensor([[[[0, 100], [200, 255]]]], dtype=torch.uint8)
+    tiny = Dataset("tiny", image, torch.zeros(1, dtype=torch.int64), image, torch.zeros(1, dtype=torch.int64), 10, (0.5,), (0.5,))
+    out = resized(tiny, 4)
+    # align_corners=False: output centres sit at input coordinates -0.25, 0.25, 0.75, 1.25 (clamped to 0..1).
+    assert out.train_x[0, 0, 0].tolist() == [0, 25, 75, 100]
+    assert out.train_x[0, 0, 3].tolist() == [200, 214, 241, 255]  # 200 + t·55 at t = 0, 0.25, 0.75, 1
+    corner = 0.75 * 0.75 * 0 + 0.75 * 0.25 * 100 + 0.25 * 0.75 * 200 + 0.25 * 0.25 * 255
+    assert int(out.train_x[0, 0, 1, 1]) == round(corner)
+    assert resized(tiny, None) is tiny and resized(tiny, 2) is tiny
+    # A run on resized digits: 16x16 inputs, the DCGAN's 16x16 layout, the same labels.
+    cfg = small_config(**DAFKD, **QUICK, **{"dataset.resize": 16, "model.name": "resnet11", "model.kwargs": {"width": 4}}, rounds=2)
+    from fedistill.runner import load_dataset_for
+
+    big = resized(digits, 16)
+    assert big.input_shape == (1, 16, 16) and torch.equal(big.train_y, digits.train_y)
+    rows = Simulation(cfg, big).run()
+    assert rows[-1]["test_accuracy"] > 0 and load_dataset_for(cfg).input_shape == (1, 16, 16)

@@ -81,6 +81,9 @@ class DatasetConfig(_Section):
     verify: bool = Field(True, description="check official md5 checksums")
     augment: list[str] | None = Field(None, description="subset of crop, flip, cutout; null = the paper default")
     split: str | None = Field(None, description="dataset variant, e.g. the EMNIST split (balanced, letters, ...)")
+    resize: int | None = Field(
+        None, ge=4, le=1024, description="resize every image to resize x resize, bilinear, once at load (DaFKD: 32)"
+    )
 
 
 class PartitionConfig(_Section):

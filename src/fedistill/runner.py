@@ -37,13 +37,20 @@ def _bytes(n: int | None) -> str:
     return str(n)
 
 
-def load_dataset_for(cfg: Config):
+def load_dataset_for(cfg: Config, data_dir: str | None = None, download: bool | None = None):
+    """The run's dataset: its files (from ``data_dir``, default ``dataset.data_dir``), variant and resize."""
+    from .data.dataset import resized
     from .data.sources import load_dataset
 
     options = {"split": cfg.dataset.split} if cfg.dataset.split is not None else {}
-    return load_dataset(
-        cfg.dataset.name, cfg.dataset.data_dir, download=cfg.dataset.download, verify=cfg.dataset.verify, **options
+    dataset = load_dataset(
+        cfg.dataset.name,
+        data_dir if data_dir is not None else cfg.dataset.data_dir,
+        download=cfg.dataset.download if download is None else download,
+        verify=cfg.dataset.verify,
+        **options,
     )
+    return resized(dataset, cfg.dataset.resize)
 
 
 RESUME_NUMERIC_HINT = "pass --allow-numeric-change to continue anyway (the change is recorded in resumes.jsonl)"

@@ -120,6 +120,7 @@ class ServerContext:
     precision: str = "fp32"  # the run's precision (bf16 autocast for server-side training where the run uses it)
     data_dir: str | None = None  # the run's dataset.data_dir: where a server-side dataset (FedDF's proxy set) is looked up
     data_verify: bool = True  # the run's dataset.verify: check that dataset's md5s
+    data_resize: int | None = None  # the run's dataset.resize: a server-side dataset gets the same resize
 
 
 @dataclass(frozen=True)

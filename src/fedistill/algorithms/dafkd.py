@@ -28,9 +28,10 @@ between clients; both survive checkpoint/resume. Randomness: the client's noise 
 stream; the server's distillation noise from ``derive_seed(seed, DAFKD, round)`` (sent to the clients in
 privacy mode, so both sides generate the same inputs).
 
-Deviations, stated: the local optimiser is the run's ``local`` SGD by default (``client_optimizer: adam`` is
-the card's Adam with the run's lr and weight decay); the generator emits the dataset's own image size
-(DCGAN with a 7-pixel first layer for 28×28) instead of resizing 28×28 data to 32×32 (card ambiguity 11).
+The generator emits the run's image size: the card's 32×32 DCGAN when 28×28 data are resized to 32×32 as the
+card says (``dataset.resize: 32``, the DaFKD presets), a DCGAN with a 7-pixel first layer on raw 28×28 data.
+Deviation, stated: the local optimiser is the run's ``local`` SGD by default (``client_optimizer: adam`` is
+the card's Adam with the run's lr and weight decay), so DaFKD trains like every other method of a comparison.
 """
 
 from __future__ import annotations

@@ -145,6 +145,7 @@ class FedDF(FedAvg):
             self._generator.init_state(server)
 
     def _load_proxy(self, server: ServerContext) -> None:
+        from ..data.dataset import resized
         from ..data.pipeline import TensorPipeline
         from ..data.sources import load_dataset
 
@@ -155,6 +156,7 @@ class FedDF(FedAvg):
             )
         options = {} if p.proxy_variant is None else {"split": p.proxy_variant}
         dataset = load_dataset(p.proxy_dataset, p.proxy_data_dir or server.data_dir, verify=server.data_verify, **options)
+        dataset = resized(dataset, server.data_resize)  # the run's own resize (DaFKD's 28x28 -> 32x32)
         images = dataset.train_x if p.proxy_split == "train" else dataset.test_x
         if server.input_shape and tuple(images.shape[1:]) != tuple(server.input_shape):
             shape = "x".join(str(s) for s in images.shape[1:])

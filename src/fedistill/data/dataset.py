@@ -6,7 +6,7 @@ taken by index (see :mod:`fedistill.data.pipeline`), so no per-client DataLoader
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -49,3 +49,25 @@ class Dataset:
     @property
     def input_shape(self) -> tuple[int, int, int]:
         return (self.channels, *self.image_size)
+
+
+def resized(dataset: Dataset, size: int | None, chunk: int = 8192) -> Dataset:
+    """``dataset`` with every image bilinearly resized to ``size x size`` (uint8 again, rounded), or unchanged.
+
+    DaFKD's protocol (spec/dafkd.md ambiguity 11) resizes 28x28 datasets to 32x32 so that its 32x32 DCGAN and
+    classifier apply unchanged. Done once at load time, in chunks, so batches cost nothing extra. The labels
+    and the normalisation constants are those of the original images (a resize keeps channel statistics
+    nearly unchanged).
+    """
+    if size is None or dataset.image_size == (size, size):
+        return dataset
+
+    def convert(images: torch.Tensor) -> torch.Tensor:
+        out = torch.empty((images.shape[0], images.shape[1], size, size), dtype=torch.uint8)
+        for start in range(0, images.shape[0], chunk):
+            part = images[start : start + chunk].float()
+            scaled = torch.nn.functional.interpolate(part, size=(size, size), mode="bilinear", align_corners=False)
+            out[start : start + chunk] = scaled.round_().clamp_(0, 255).to(torch.uint8)
+        return out
+
+    return replace(dataset, train_x=convert(dataset.train_x), test_x=convert(dataset.test_x))

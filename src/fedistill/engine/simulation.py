@@ -166,6 +166,7 @@ class ServerRuntime:
             precision=cfg.run.precision,
             data_dir=cfg.dataset.data_dir,
             data_verify=cfg.dataset.verify,
+            data_resize=cfg.dataset.resize,
         )
         self.state = RunState()
         self._store_ready = False

@@ -474,7 +474,6 @@ def _client_runtime(config_json: str, node_config: dict[str, Any]) -> Any:
         runtime, threads = cached
         torch.set_num_threads(threads)  # another client's runtime in this process may have changed it
         return runtime
-    from ..data.sources import load_dataset
     from ..engine.perf import keep_freed_memory_in_heap
     from ..engine.simulation import ClientRuntime, build_federation
     from ..runner import load_dataset_for
@@ -486,8 +485,7 @@ def _client_runtime(config_json: str, node_config: dict[str, Any]) -> Any:
         keep_freed_memory_in_heap()
     if data_dir:
         # A site with its own files: its whole train split is this client's data.
-        options = {"split": cfg.dataset.split} if cfg.dataset.split is not None else {}
-        dataset = load_dataset(cfg.dataset.name, data_dir, download=False, verify=cfg.dataset.verify, **options)
+        dataset = load_dataset_for(cfg, data_dir=data_dir, download=False)
         train = {pid: torch.arange(len(dataset.train_y), dtype=torch.int64)}
         test = {pid: torch.arange(len(dataset.test_y), dtype=torch.int64)} if cfg.partition.per_client_test else None
     else:
