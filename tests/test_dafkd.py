@@ -253,9 +253,11 @@ def test_code_style_fills_unset_switches_and_explicit_values_win():
     assert p.temperature == 4.0
 
 
-def test_dafkd_cannot_be_an_ingredient():
+def test_dafkd_cannot_be_combined_either_way():
     with pytest.raises(ConfigError, match="dafkd"):
         make_algorithm(small_config(algorithm="fedavg", **{"algorithm.plus": {"dafkd": {}}}))
+    with pytest.raises(ConfigError, match="dafkd replaces local_update"):
+        make_algorithm(small_config(algorithm="dafkd", **{"algorithm.plus": {"fedprox": {}}}))
 
 
 @pytest.mark.parametrize("importance", ["discriminator", "uniform"])
