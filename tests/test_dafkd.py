@@ -301,3 +301,14 @@ def test_dataset_resize_is_bilinear_once_at_load(digits):
     assert big.input_shape == (1, 16, 16) and torch.equal(big.train_y, digits.train_y)
     rows = Simulation(cfg, big).run()
     assert rows[-1]["test_accuracy"] > 0 and load_dataset_for(cfg).input_shape == (1, 16, 16)
+
+
+def test_privacy_bytes_are_the_weighted_predictions_and_scores_instead_of_the_head(digits):
+    """Appendix B: from round 2 a client uploads N·M + N float64 (no ψ_k); the server sends one seed more."""
+    plain = Simulation(small_config(**DAFKD, **QUICK, rounds=2), digits).run()
+    private = Simulation(small_config(**DAFKD, **QUICK, **{"algorithm.privacy": True}, rounds=2), digits).run()
+    head = build_model("digits_cnn", (1, 8, 8), 10).feature_dim + 1
+    clients, samples, classes = 3, 64, 10
+    assert private[0]["bytes_up"] == plain[0]["bytes_up"] - clients * 4 * head  # round 1: no distillation
+    assert private[1]["bytes_up"] == plain[1]["bytes_up"] - clients * 4 * head + clients * 8 * samples * (classes + 1)
+    assert private[1]["bytes_down"] == plain[1]["bytes_down"] + clients * 8
