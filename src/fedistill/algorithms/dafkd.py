@@ -37,6 +37,7 @@ the card's Adam with the run's lr and weight decay), so DaFKD trains like every 
 from __future__ import annotations
 
 import copy
+import math
 import time
 from typing import Any, Literal
 
@@ -227,7 +228,7 @@ class DaFKD(FedAvg):
                     disc_logits.append(discriminator.logits(teacher, x, features).float())
         teacher_logits = torch.stack(logits)
         if p.importance == "uniform":
-            log_alpha = torch.full(teacher_logits.shape[:2], -torch.log(torch.tensor(float(len(replies)))).item())
+            log_alpha = torch.full(teacher_logits.shape[:2], -math.log(len(replies)))  # α̂ = 1/K_t
         else:
             log_alpha = domain_log_importance(torch.stack(disc_logits))
         return domain_aware_teacher(teacher_logits, log_alpha.to(teacher_logits.device), p.temperature, p.ensemble_space)
