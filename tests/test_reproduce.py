@@ -102,6 +102,18 @@ def test_a_changed_configuration_is_not_mixed_with_old_runs(tiny, tmp_path):
         reproduce(tiny, tmp_path, rounds=1, methods=["FedAvg"], columns=["iid"], overrides=["local.lr=0.01"])
 
 
+def test_a_run_saved_before_a_setting_existed_is_reused_not_refused(tiny, tmp_path):
+    """A config written before ``dataset.resize`` existed holds its default; reproduce must reuse it."""
+    reproduce(tiny, tmp_path, rounds=1, methods=["FedAvg"], columns=["iid"])
+    config_path = tmp_path / "tiny" / "iid" / "FedAvg" / "seed0" / "config.yaml"
+    saved = yaml.safe_load(config_path.read_text())
+    assert saved["dataset"].pop("resize") is None
+    config_path.write_text(yaml.safe_dump(saved, sort_keys=False))
+    metrics = (config_path.parent / "metrics.jsonl").read_text()
+    reproduce(tiny, tmp_path, rounds=1, methods=["FedAvg"], columns=["iid"])
+    assert (config_path.parent / "metrics.jsonl").read_text() == metrics  # reused: nothing ran again
+
+
 def test_bad_presets_and_selections_are_reported(tiny, tmp_path):
     with pytest.raises(ConfigError, match="no preset 'nope'; choose one of: .*fedlmd_table3_mnist"):
         load_preset("nope")

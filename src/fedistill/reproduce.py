@@ -150,6 +150,19 @@ class RunResult:
 
 
 def _stripped(config: dict[str, Any]) -> dict[str, Any]:
+    """The parts of a saved config that decide its numbers, with keys a later version added filled in.
+
+    A run saved before a setting existed (``dataset.resize`` arrived after many tables were run) holds the
+    setting's default by construction, so it is validated again to fill it rather than refused as different.
+    """
+    from pydantic import ValidationError
+
+    from .config import Config
+
+    try:
+        config = Config.model_validate(config).to_dict()
+    except ValidationError:
+        pass  # a config this version cannot read is compared as written, and then reported as different
     return {k: v for k, v in config.items() if k not in ("rounds", "run")}
 
 
