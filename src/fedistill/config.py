@@ -100,6 +100,36 @@ class PartitionConfig(_Section):
 class ModelConfig(_Section):
     name: str | None = Field(None, description="model name; null = the dataset's default")
     kwargs: dict[str, Any] = Field(default_factory=dict)
+    # Per-client architectures (FedICT's heterogeneous setting, experiments-fedict.md §4). At most one of
+    # the two; with neither, every client uses ``name``.
+    clients: list[str] | None = Field(
+        None, min_length=1, description="client k uses clients[k mod len] (FedICT Table V: five models, five clients)"
+    )
+    client_mix: dict[str, float] | None = Field(
+        None, description="each client draws its model with these probabilities, seeded (FedICT's TMD setting)"
+    )
+    server: str | None = Field(None, description="the server's predictor on uploaded features (FedGKT/FedDKC/FedICT)")
+    server_kwargs: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _one_assignment(self) -> "ModelConfig":
+        if self.clients is not None and self.client_mix is not None:
+            raise ValueError("model.clients and model.client_mix: set one of them, not both")
+        if self.client_mix is not None:
+            if not self.client_mix:
+                raise ValueError("model.client_mix: give at least one model name with its probability")
+            bad = {k: v for k, v in self.client_mix.items() if not v > 0}
+            if bad:
+                raise ValueError(f"model.client_mix: probabilities must be > 0, got {bad}")
+            total = sum(self.client_mix.values())
+            if abs(total - 1.0) > 1e-9:
+                raise ValueError(f"model.client_mix: probabilities must sum to 1, they sum to {total:g}")
+        return self
+
+    def client_model_names(self) -> list[str]:
+        """Every architecture a client may use (in first-use order)."""
+        names = self.clients or list(self.client_mix or {})
+        return list(dict.fromkeys(names))
 
 
 class LocalConfig(_Section):
@@ -115,6 +145,12 @@ class EvalConfig(_Section):
     every: int = Field(1, ge=1, description="evaluate the global model every N rounds (and after the last)")
     batch_size: int = Field(100, ge=1, description="small batches stay in cache: 1000 was 2x slower on CPU")
     target_accuracy: float | None = Field(None, gt=0, le=100, description="percent; reported as rounds to target")
+    metric: Literal["auto", "global", "personal"] = Field(
+        "auto",
+        description="what final/best accuracy and rounds to target use: the global model on the test set, or the "
+        "clients' average accuracy on their own test splits (personal; needs partition.per_client_test); "
+        "auto = personal when the partition has per-client test splits",
+    )
 
 
 class RunConfig(_Section):
@@ -200,6 +236,10 @@ class Config(_Section):
         for key in ("min_size", "max_retries"):
             if getattr(p, key) is not None and p.scheme != "lda":
                 raise ValueError(f"partition.{key}: only used by the lda scheme, not {p.scheme}")
+        if self.eval.metric == "personal" and not p.per_client_test:
+            raise ValueError(
+                "eval.metric: personal accuracy needs per-client test splits; set partition.per_client_test: true"
+            )
         return self
 
     # Resolved views -----------------------------------------------------------------------------
@@ -210,6 +250,12 @@ class Config(_Section):
         if self.dataset.augment is not None:
             return list(self.dataset.augment)
         return list(DATASET_DEFAULTS.get(self.dataset.name, {}).get("augment", []))
+
+    def accuracy_metric(self) -> str:
+        """``global`` or ``personal``: the accuracy that summaries, tables and targets use."""
+        if self.eval.metric == "auto":
+            return "personal" if self.partition.per_client_test else "global"
+        return self.eval.metric
 
     def partition_seed(self) -> int:
         return self.seed if self.partition.seed is None else self.partition.seed
@@ -375,6 +421,18 @@ def validate_names(cfg: Config) -> None:
             raise ConfigError(
                 f"model.kwargs.{key}: not an option of model {cfg.model_name()!r} (accepted: {', '.join(accepted) or 'none'})"
             )
+    for name in cfg.model.client_model_names():
+        MODELS.get(name, key="model.clients" if cfg.model.clients else "model.client_mix")
+    if cfg.model.server is not None:
+        MODELS.get(cfg.model.server, key="model.server")
+        accepted = model_options(cfg.model.server)
+        for key in cfg.model.server_kwargs:
+            if key not in accepted:
+                raise ConfigError(
+                    f"model.server_kwargs.{key}: not an option of model {cfg.model.server!r} (accepted: {', '.join(accepted) or 'none'})"
+                )
+    elif cfg.model.server_kwargs:
+        raise ConfigError("model.server_kwargs: set model.server too (the options belong to the server's model)")
     PARTITIONS.get(cfg.partition.scheme, key="partition.scheme")
     AugmentSpec.from_names(cfg.augmentations())
 

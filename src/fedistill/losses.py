@@ -486,3 +486,209 @@ def domain_aware_distillation(
     log_s = torch.log_softmax(student_logits.float() / temperature, dim=1)
     total = F.kl_div(log_s, log_target.detach().float(), log_target=True, reduction="sum")
     return temperature**2 * total / (log_s.shape[0] if reduction == "batchmean" else log_s.numel())
+
+
+# -- FedICT, FedDKC and FedGKT (spec/fedict.md, spec/feddkc.md, spec/fedgkt.md) ------------------------------
+
+
+def label_distribution(labels: torch.Tensor, num_classes: int) -> torch.Tensor:
+    """FedICT's local distribution vector ``d^k_c = f^k_c = (1/N^k) Σ_i 1[ŷ_i^k = c]`` (spec/fedict.md Eq. 7).
+
+    ``labels`` is the client's LongTensor of training labels in ``[0, C)``; returns the (C,) float64 histogram
+    divided by ``N^k`` (non-negative, sums to 1). An empty label set has no distribution: ``ValueError``.
+    """
+    flat = labels.reshape(-1).long()
+    if flat.numel() == 0:
+        raise ValueError("label_distribution: no labels (N^k = 0)")
+    if bool((flat < 0).any()) or bool((flat >= num_classes).any()):
+        raise ValueError(f"label_distribution: labels must lie in [0, {num_classes})")
+    counts = torch.bincount(flat, minlength=num_classes).double()
+    return counts / flat.numel()
+
+
+def global_label_distribution(distributions: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """FedICT's global distribution ``d^S = Σ_k N^k d^k / Σ_k N^k`` (spec/fedict.md §3, Alg. 2 line 8).
+
+    ``distributions`` is (K, C) (row k = ``d^k``), ``counts`` is (K,) (``N^k``). The result, float64 (C,), is
+    the label histogram of the union of the clients' training sets and a convex combination of the ``d^k``.
+    """
+    n = counts.double().reshape(-1)
+    total = n.sum()
+    if n.numel() != distributions.shape[0] or bool((n < 0).any()) or total <= 0:
+        raise ValueError("global_label_distribution: need one non-negative count per client, positive in total")
+    return (n[:, None] * distributions.double()).sum(dim=0) / total
+
+
+def fpkd_class_weights(distribution: torch.Tensor, temperature: float) -> torch.Tensor:
+    """FedICT's FPKD class weights ``w^k_r = exp(f^k_r/T) / Σ_j exp(f^k_j/T)`` (spec/fedict.md Eq. 11).
+
+    Float64 softmax of the client's class frequencies: strictly positive, sums to 1, keeps the order of
+    ``f^k``; ``T → ∞`` gives ``1/C``, ``T → 0⁺`` the one-hot of ``argmax f^k``.
+    """
+    return torch.softmax(distribution.double() / temperature, dim=-1)
+
+
+def lka_similarity(global_distribution: torch.Tensor, local_distribution: torch.Tensor) -> float:
+    """FedICT(sim)'s client weight ``s_k = (d^S)ᵀ d^k / (‖d^S‖₂ ‖d^k‖₂)`` (spec/fedict.md Eq. 12).
+
+    Float64, no ε: a distribution has ``‖d‖₂ ≥ 1/√C > 0`` (a zero or negative vector is a ``ValueError``).
+    For non-negative vectors the cosine lies in [0, 1]; the result is clipped to that range so rounding cannot
+    push an exact match above 1. Equal (or positively scaled) vectors give 1, disjoint supports 0.
+    """
+    g = global_distribution.double().reshape(-1)
+    d = local_distribution.double().reshape(-1)
+    if bool((g < 0).any()) or bool((d < 0).any()):
+        raise ValueError("lka_similarity: distributions must be non-negative")
+    norm = g.norm() * d.norm()
+    if norm <= 0:
+        raise ValueError("lka_similarity: a distribution vector is all zeros")
+    return float(((g * d).sum() / norm).clamp(0.0, 1.0))
+
+
+def lka_balance_weights(
+    global_distribution: torch.Tensor, local_distribution: torch.Tensor, temperature: float
+) -> torch.Tensor:
+    """FedICT(balance)'s class weights ``v^k_r = softmax((f^S − f^k)/U)_r`` (spec/fedict.md Eq. 14).
+
+    Float64; strictly positive, sums to 1, exactly ``1/C`` when ``d^k = d^S``, and ``v^k_a > v^k_b`` iff class a
+    is rarer locally relative to the global distribution than class b.
+    """
+    diff = global_distribution.double() - local_distribution.double()
+    return torch.softmax(diff / temperature, dim=-1)
+
+
+def _weighted_kl_batchmean(
+    teacher_probs: torch.Tensor,
+    teacher_term: torch.Tensor,
+    log_q: torch.Tensor,
+    tau: float,
+    class_weights: torch.Tensor | None,
+) -> torch.Tensor:
+    """``τ² · mean_b Σ_r a_r (teacher_term_r − p_r log q_r)`` with ``teacher_term = p log p`` (0 where p = 0)."""
+    per_class = teacher_term - teacher_probs * log_q
+    if class_weights is not None:
+        per_class = per_class * class_weights.to(device=log_q.device, dtype=log_q.dtype)
+    return (tau**2) * per_class.sum(dim=1).mean()
+
+
+def distillation_kl(
+    student_logits: torch.Tensor, teacher_logits: torch.Tensor, tau: float, class_weights: torch.Tensor | None = None
+) -> torch.Tensor:
+    """FedICT/FedGKT's (class-weighted) distillation term ``τ² · mean_b WKL(a; p_b ‖ q_b)`` (spec/fedict.md §3).
+
+    ``WKL(a; p‖q) = Σ_r a_r p_r (log p_r − log q_r)`` with the detached teacher ``p = σ_τ(teacher)`` and the
+    student ``q = σ_τ(student)`` ("batchmean": sum over classes, mean over the batch). ``class_weights``
+    (``a``, shape (C,)) is FPKD's ``w^k`` (Eqs. 10-11) or LKA-balance's ``v^k`` (Eqs. 13-14); ``None`` means
+    all ones, i.e. the plain ``τ² KL(p‖q)`` of Eqs. 2/4 and fedgkt.md §3. Direction: KL(teacher ‖ student).
+    Both sides come from ``log_softmax``, teacher probabilities are ``exp(log p)`` (so ``0 · log 0 = 0``), no ε
+    is added. Computed in float32; returns a float32 scalar. Its gradient w.r.t. the student logits of one
+    sample is ``τ (q_j Σ_r a_r p_r − a_j p_j)``.
+    """
+    log_q = torch.log_softmax(student_logits.float() / tau, dim=1)
+    log_p = torch.log_softmax(teacher_logits.detach().float() / tau, dim=1)
+    p = log_p.exp()
+    return _weighted_kl_batchmean(p, p * log_p, log_q, tau, class_weights)
+
+
+def distillation_kl_from_probs(
+    student_logits: torch.Tensor,
+    teacher_probs: torch.Tensor,
+    tau: float,
+    class_weights: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """:func:`distillation_kl` with a teacher given as probabilities (spec/feddkc.md §3 and A4).
+
+    FedDKC's server term ``τ² · mean_b Σ_r a_r t_r (log t_r − log σ_τ(o)_r)``: the refined teacher ``t`` (KKR or
+    SKR output) is used as-is (detached, not re-tempered); only the student is softened by τ. Entries with
+    ``t_r = 0`` contribute exactly 0 (``xlogy``), no ε. float32 scalar.
+    """
+    log_q = torch.log_softmax(student_logits.float() / tau, dim=1)
+    t = teacher_probs.detach().float()
+    return _weighted_kl_batchmean(t, torch.xlogy(t, t), log_q, tau, class_weights)
+
+
+def _kkr_map(probs: torch.Tensor, peak: float) -> torch.Tensor:
+    """FedDKC's KKR affine map ``p → p'`` on probability rows (spec/feddkc.md §3), in the dtype of ``probs``.
+
+    ``p'_r = ((C·T − 1) p_r + m − T) / (C·m − 1)`` with ``m = max_r p_r``; rows with ``C·m − 1 ≤ 1e-12``
+    or a negative ``p'`` fall back to ``T`` at the argmax (lowest index among ties, A7) and
+    ``(1 − T)/(C − 1)`` elsewhere.
+    """
+    c = probs.shape[1]
+    top = torch.argmax(probs, dim=1, keepdim=True)  # first maximal index
+    m = probs.gather(1, top)
+    denom = c * m - 1.0
+    degenerate = denom <= 1e-12
+    refined = ((c * peak - 1.0) * probs + (m - peak)) / torch.where(degenerate, torch.ones_like(denom), denom)
+    use_fallback = degenerate | (refined.min(dim=1, keepdim=True).values < 0)
+    fallback = torch.full_like(probs, (1.0 - peak) / (c - 1)).scatter(1, top, peak)
+    return torch.where(use_fallback, fallback, refined)
+
+
+def kkr_refine(logits: torch.Tensor, peak: float, scale: float = 0.05, tau: float = 3.0) -> torch.Tensor:
+    """FedDKC's kernel-based knowledge refinement (KKR, spec/feddkc.md §3), a detached (B, C) float32 teacher.
+
+    ``p = softmax(z / (S·τ))`` (code default ``S = 0.05``, ``τ = 3``; ``S = 1`` is the paper-pure input, A3),
+    then the affine map to peak ``T``: ``p'_r = T − (C·T − 1)/(C·m − 1) · (m − p_r)``, ``m = max_r p``.
+    Fallback when ``C·m − 1 ≤ 1e-12`` (uniform p) or ``min_r p'_r < 0``: ``T`` at ``argmax p`` (ties: lowest
+    index) and ``(1 − T)/(C − 1)`` elsewhere. Every row sums to 1 and peaks at exactly T (congruence); without
+    the fallback the ranking is kept and the map is idempotent. Needs ``1/C < T ≤ 1``. Float64 inside, no
+    gradient.
+    """
+    c = logits.shape[1]
+    if c < 2 or not (1.0 / c < peak <= 1.0):
+        raise ValueError(f"kkr_refine: need C ≥ 2 and 1/C < T ≤ 1, got C={c}, T={peak}")
+    with torch.no_grad():
+        probs = torch.softmax(logits.detach().double() / (scale * tau), dim=1)
+        return _kkr_map(probs, peak).float()
+
+
+def _entropy_bits(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    """Row entropies ``−Σ_r q_r log₂ q_r`` of ``q = softmax(z / s)`` with one temperature per row (log_softmax)."""
+    log_q = torch.log_softmax(logits / temperature[:, None], dim=1)
+    return -(log_q.exp() * log_q).sum(dim=1) / torch.log(torch.tensor(2.0, dtype=log_q.dtype))
+
+
+def skr_refine(
+    logits: torch.Tensor,
+    target_entropy_bits: float,
+    low: float = 1e-4,
+    high: float = 1000.0,
+    tol: float = 1e-6,
+    max_halvings: int = 60,
+) -> torch.Tensor:
+    """FedDKC's searching-based knowledge refinement (SKR, spec/feddkc.md §3), a detached (B, C) float32 teacher.
+
+    Per row, finds ``s*`` with ``H(softmax(z/s*)) = H*`` bits by bisection on ``[ε₁, ε₂] = [low, high]`` (H is
+    non-decreasing in s), vectorised over rows with a fixed number of halvings: the first n with
+    ``(high − low)/2ⁿ ≤ tol``, at most ``max_halvings``; ``s*`` is the final midpoint. ``tol ≤ 0`` runs all
+    ``max_halvings``: the card's absolute ``ε = 1e-6`` on s bounds the entropy error only by about
+    ``5e-7 · Var_q(z/s*) / s*`` nats, more than 1e-4 bits for small ``s*`` (logits with a tiny spread).
+    Rows whose target is outside ``[H(low), H(high)]`` are clamped (A6): ``s* = low`` if ``H(low) ≥ H*``,
+    ``s* = high`` if ``H(high) ≤ H*`` (constant rows: uniform output). Returns ``softmax(z/s*)`` on the raw
+    logits (no τ, no S). Entropies from log_softmax without ε; float64 inside, no gradient. The output is
+    invariant to adding a constant to a row and keeps each row's ranking.
+    """
+    import math
+
+    if not (0.0 < low < high) or max_halvings < 0:
+        raise ValueError(f"skr_refine: need 0 < low < high, max_halvings ≥ 0; got [{low}, {high}], {max_halvings}")
+    halvings = int(max_halvings)
+    if tol > 0:
+        halvings = min(halvings, max(0, math.ceil(math.log2((high - low) / tol))))
+    with torch.no_grad():
+        z = logits.detach().double()
+        z = z - z.max(dim=1, keepdim=True).values
+        lo = torch.full((z.shape[0],), float(low), dtype=z.dtype, device=z.device)
+        hi = torch.full_like(lo, float(high))
+        clamp_low = _entropy_bits(z, lo) >= target_entropy_bits
+        clamp_high = _entropy_bits(z, hi) <= target_entropy_bits
+        for _ in range(halvings):
+            mid = 0.5 * (lo + hi)
+            below = _entropy_bits(z, mid) < target_entropy_bits
+            lo = torch.where(below, mid, lo)
+            hi = torch.where(below, hi, mid)
+        s = 0.5 * (lo + hi)
+        s = torch.where(clamp_low, torch.full_like(s, float(low)), s)
+        s = torch.where(clamp_high, torch.full_like(s, float(high)), s)
+        return torch.softmax(z / s[:, None], dim=1).float()

@@ -249,7 +249,8 @@ def reproduce(
         run_path = root / column / method.replace("/", "_").replace(" ", "_") / f"seed{seed}"
         console.print(f"[bold]{preset.name}[/]: {preset.columns[column].label} / {method} / seed {seed} -> {run_path}")
         rows, diverged = ensure_run(cfg, run_path, console)
-        accuracies = [(r["round"], r["test_accuracy"]) for r in rows if r.get("test_accuracy") is not None]
+        key = "personal_accuracy" if cfg.accuracy_metric() == "personal" else "test_accuracy"
+        accuracies = [(r["round"], r[key]) for r in rows if r.get(key) is not None]
         seconds = [r["seconds"] for r in rows if r.get("seconds") is not None]
         results[(column, method, seed)] = RunResult(
             column, method, seed, accuracies, statistics.fmean(seconds) if seconds else None,

@@ -13,7 +13,7 @@ from rich.table import Table
 
 from .config import Config
 from .errors import ConfigError, TrainingDiverged
-from .report.plots import plot_accuracy, plot_class_distributions, plot_partition
+from .report.plots import plot_accuracy, plot_class_distributions, plot_partition, plot_personal_accuracy
 from .report.rundir import RunDirectory, read_run
 
 
@@ -126,7 +126,7 @@ def run_experiment(
 
     def on_round(row: dict[str, Any]) -> None:
         run_dir.append_metrics(row)
-        acc = row.get("test_accuracy")
+        acc = row.get("personal_accuracy" if cfg.accuracy_metric() == "personal" else "test_accuracy")
         progress.update(task, completed=row["round"], **({"acc": f"{acc:.2f}%"} if acc is not None else {}))
 
     sim.on_round = on_round
@@ -135,12 +135,12 @@ def run_experiment(
             history = sim.run()
     except TrainingDiverged:
         run_dir.write_csv(sim.state.history)
-        run_dir.write_summary({**summarise(sim.state.history, cfg.eval.target_accuracy), "status": "diverged"})
+        run_dir.write_summary({**summarise(sim.state.history, cfg.eval.target_accuracy, cfg.accuracy_metric()), "status": "diverged"})
         raise
     except KeyboardInterrupt:
         run_dir.write_csv(sim.state.history)
         raise
-    summary = summarise(history, cfg.eval.target_accuracy)
+    summary = summarise(history, cfg.eval.target_accuracy, cfg.accuracy_metric())
     summary["status"] = "finished"
     summary["run_dir"] = str(run_dir.path)
     from .models.flat import num_flat
@@ -148,8 +148,10 @@ def run_experiment(
     summary["model_parameters"] = num_flat(sim.server.model)
     run_dir.write_csv(history)
     run_dir.write_summary(summary)
-    curve = [(r["round"], r["test_accuracy"]) for r in history if r.get("test_accuracy") is not None]
+    key = "personal_accuracy" if cfg.accuracy_metric() == "personal" else "test_accuracy"
+    curve = [(r["round"], r[key]) for r in history if r.get(key) is not None]
     plot_accuracy({cfg.algorithm.display_name(): curve}, run_dir.path / "accuracy.png", cfg.eval.target_accuracy)
+    plot_personal_accuracy(history, run_dir.path / "personal_accuracy.png", cfg.algorithm.display_name())
     plot_class_distributions({cfg.algorithm.display_name(): history}, run_dir.path / "class_distributions.png")
     print_summary(console, {run_dir.path.name: summary})
     return summary
@@ -179,6 +181,14 @@ def print_summary(console: Console, summaries: dict[str, dict[str, Any]]) -> Non
     console.print(table)
 
 
+def saved_accuracy_metric(config: dict[str, Any]) -> str:
+    """``global`` or ``personal``: the accuracy a saved run's config asked for (Config.accuracy_metric)."""
+    metric = (config.get("eval") or {}).get("metric", "auto")
+    if metric == "auto":
+        return "personal" if (config.get("partition") or {}).get("per_client_test") else "global"
+    return metric
+
+
 def compare_runs(paths: list[str], out: Path | None = None, target: float | None = None, console: Console | None = None) -> None:
     from .engine.simulation import summarise
 
@@ -193,8 +203,10 @@ def compare_runs(paths: list[str], out: Path | None = None, target: float | None
         name = path.name
         if name in summaries:
             name = str(path)
-        summaries[name] = summarise(rows, goal)  # recomputed so that a common --target applies to all
-        curves[name] = [(r["round"], r["test_accuracy"]) for r in rows if r.get("test_accuracy") is not None]
+        metric = saved_accuracy_metric(config)
+        key = "personal_accuracy" if metric == "personal" else "test_accuracy"
+        summaries[name] = summarise(rows, goal, metric)  # recomputed so that a common --target applies to all
+        curves[name] = [(r["round"], r[key]) for r in rows if r.get(key) is not None]
         histories[name] = rows
     print_summary(console, summaries)
     out = out or Path("compare.png")

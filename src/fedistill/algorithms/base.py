@@ -21,6 +21,8 @@ Scalar = int | float | bool | str
 
 # Bytes charged for a plain scalar on the wire: ints and floats travel as 64-bit values.
 SCALAR_BYTES = 8
+# Reply keys the engine adds for personalised evaluation (not counted as communication, Message.nbytes).
+EVAL_PREFIX = "eval."
 
 
 class Message(Mapping[str, Any]):
@@ -63,9 +65,15 @@ class Message(Mapping[str, Any]):
         return {k: v for k, v in self._items.items() if not isinstance(v, torch.Tensor)}
 
     def nbytes(self) -> int:
-        """Payload bytes: tensor elements times element size, 8 per number, UTF-8 length per string."""
+        """Payload bytes: tensor elements times element size, 8 per number, UTF-8 length per string.
+
+        Evaluation reports (keys under ``eval.``, added by the engine after a client's update) are not the
+        algorithm's payload and are not counted: a deployment would send them only when asked to evaluate.
+        """
         total = 0
-        for value in self._items.values():
+        for key, value in self._items.items():
+            if key.startswith(EVAL_PREFIX):
+                continue
             if isinstance(value, torch.Tensor):
                 total += value.numel() * value.element_size()
             elif isinstance(value, str):
@@ -143,6 +151,15 @@ class Algorithm:
 
     name: ClassVar[str] = ""
     Params: ClassVar[type[AlgorithmParams]] = AlgorithmParams
+    # What travels between clients and server. "weights": every client trains a copy of one global model
+    # (one architecture), which the engine evaluates on the test set. "knowledge" (federated distillation,
+    # spec/fedgkt.md): each client keeps its own model, possibly of its own architecture (model.clients);
+    # the server's model is ``model.server`` over the clients' uploaded features and is never evaluated on
+    # images, so accuracy is personal (each client's own model on its own test split).
+    exchange: ClassVar[str] = "weights"
+    # The model whose accuracy on client k's test split is client k's personalised accuracy: "global" (the
+    # aggregated model, fmtl-baselines.md §1) or "local" (the model the client holds after its update).
+    personal_model: ClassVar[str] = "global"
 
     def __init__(self, params: AlgorithmParams, local: Any) -> None:
         self.params = params

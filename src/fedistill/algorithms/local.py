@@ -105,27 +105,36 @@ class Evaluation(NamedTuple):
     accuracy: float  # top-1, as a fraction
     loss: float  # mean cross-entropy
     predictions: torch.Tensor  # (C,) int64: how often each class was predicted (FedLMD Fig. 2 diagnostic)
+    correct: torch.Tensor | None = None  # (N,) bool per sample, in batch order, when asked for (per_sample)
 
 
 @torch.inference_mode()
 def evaluate(
-    model: nn.Module, batches: Iterable[tuple[torch.Tensor, torch.Tensor]], precision: str = "fp32"
+    model: nn.Module,
+    batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
+    precision: str = "fp32",
+    per_sample: bool = False,
 ) -> Evaluation:
-    """Top-1 accuracy, mean cross-entropy and the predicted-class histogram of ``model`` over ``(x, y)`` batches."""
+    """Top-1 accuracy, mean cross-entropy and the predicted-class histogram of ``model`` over ``(x, y)``
+    batches; with ``per_sample`` also which samples were right (personalised accuracy per client split)."""
     model.eval()
     correct = torch.zeros((), dtype=torch.int64)
     loss_sum = torch.zeros((), dtype=torch.float64)
     predicted: torch.Tensor | None = None
+    hits: list[torch.Tensor] = []
     n = 0
     for xb, yb in batches:
         with autocast_context(precision, xb.device):
             logits = model(xb).float()
         loss_sum += F.cross_entropy(logits, yb, reduction="sum").double().cpu()
         guesses = logits.argmax(1)
-        correct += (guesses == yb).sum().cpu()
+        right = guesses == yb
+        correct += right.sum().cpu()
+        if per_sample:
+            hits.append(right.cpu())
         counts = torch.bincount(guesses, minlength=logits.shape[1]).cpu()
         predicted = counts if predicted is None else predicted + counts
         n += yb.shape[0]
     if n == 0 or predicted is None:
         raise ValueError("evaluate: no samples")
-    return Evaluation(float(correct) / n, float(loss_sum) / n, predicted)
+    return Evaluation(float(correct) / n, float(loss_sum) / n, predicted, torch.cat(hits) if per_sample else None)

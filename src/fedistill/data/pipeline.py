@@ -124,6 +124,16 @@ class TensorPipeline:
         for start in range(0, order.numel(), batch_size):
             yield self.train_batch(order[start : start + batch_size], generator)
 
+    def test_batches_of(self, indices: torch.Tensor, batch_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """The test samples ``indices`` (a client's own test split) in order, normalised, never augmented."""
+        for start in range(0, indices.numel(), batch_size):
+            ix = indices[start : start + batch_size]
+            yield self.normalise(self.dataset.test_x[ix]), self.dataset.test_y[ix].to(self.device)
+
+    def clean_batch(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Training samples ``indices`` normalised but not augmented (an upload's clean view)."""
+        return self.normalise(self.dataset.train_x[indices]), self.dataset.train_y[indices].to(self.device)
+
     def test_batches(self, batch_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """The test split in order, normalised batch by batch (no float copy of the whole split is kept)."""
         x, y = self.dataset.test_x, self.dataset.test_y

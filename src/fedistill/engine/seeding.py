@@ -18,6 +18,8 @@ FEDFTG = 4
 FEDDF = 5  # FedDF's data-free generator, its proxy order and proxy subset
 FEDGEN = 6  # FedGen's server-side feature generator
 DAFKD = 7  # DaFKD's global generator (initial weights) and the round's distillation noise
+ASSIGNMENT = 8  # the seeded random draw of each client's architecture (model.client_mix)
+FD_SERVER = 9  # the federated-distillation server's batch order in round t (FedGKT, FedDKC, FedICT)
 
 
 def derive_seed(seed: int, *coords: int) -> int:

@@ -15,14 +15,15 @@ from typing import Any, Callable, Mapping
 import numpy as np
 import torch
 
-from ..algorithms.base import Algorithm, ClientContext, Message, RoundInfo, ServerContext
+from ..algorithms.base import EVAL_PREFIX, Algorithm, ClientContext, Message, RoundInfo, ServerContext
 from ..algorithms.local import evaluate
 from ..algorithms.build import make_algorithm  # noqa: F401  (re-exported: tests and tools use it from here)
 from ..config import Config
 from ..data.dataset import Dataset
 from ..data.pipeline import AugmentSpec, TensorPipeline
-from ..errors import TrainingDiverged
-from ..models.flat import get_flat
+from ..errors import ConfigError, TrainingDiverged
+from ..models.flat import get_flat, num_flat
+from .architectures import check_architectures, client_architectures
 from .executors import ProcessPoolExecutor, SequentialExecutor, client_threads, make_executor
 from .checkpoint import CHECKPOINT_NAME, check_compatible, load_checkpoint, save_checkpoint
 from .perf import keep_freed_memory_in_heap
@@ -73,13 +74,24 @@ def build_federation(cfg: Config, dataset: Dataset) -> Federation:
     return Federation(dataset, train, test)
 
 
-def build_model_for(cfg: Config, dataset: Dataset, seed_coords: tuple[int, ...]) -> torch.nn.Module:
-    """The configured model, initialised from its own seeded stream (global RNG left untouched)."""
+def build_model_for(
+    cfg: Config,
+    dataset: Dataset,
+    seed_coords: tuple[int, ...],
+    name: str | None = None,
+    input_shape: tuple[int, ...] | None = None,
+    kwargs: dict[str, Any] | None = None,
+) -> torch.nn.Module:
+    """The configured model (or the architecture ``name``), initialised from its own seeded stream
+    (global RNG left untouched). ``model.kwargs`` belong to ``model.name`` only."""
     from ..models import build_model
 
+    name = name or cfg.model_name()
+    if kwargs is None:
+        kwargs = cfg.model.kwargs if name == cfg.model_name() else {}
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(derive_seed(cfg.seed, *seed_coords))
-        model = build_model(cfg.model_name(), dataset.input_shape, dataset.num_classes, **cfg.model.kwargs)
+        model = build_model(name, tuple(input_shape or dataset.input_shape), dataset.num_classes, **kwargs)
     model = model.to(cfg.run.device)
     if cfg.run.channels_last:
         model = model.to(memory_format=torch.channels_last)
@@ -145,16 +157,27 @@ class ServerRuntime:
         num_clients: int,
         run_dir: Path | None = None,
         client_num_samples: tuple[int, ...] | None = None,
+        client_test_indices: list[torch.Tensor] | None = None,
     ) -> None:
         self.cfg = cfg
         self.run_dir = run_dir
         self.num_clients = num_clients
         self.device = torch.device(cfg.run.device)
         self.algorithm = make_algorithm(cfg)
+        self.architectures = check_architectures(cfg, self.algorithm, num_clients)
+        # Each client's test split, where the server holds the partition: the global model's personalised
+        # accuracy is read off its test-set predictions at these indices (no extra forward pass).
+        self.client_test_indices = client_test_indices
         # The server evaluates on the global test split; it never augments.
         self.test_pipeline = TensorPipeline(dataset, device=self.device, channels_last=cfg.run.channels_last)
+        self.knowledge_exchange = getattr(self.algorithm, "exchange", "weights") == "knowledge"
+        # What one client's weights would cost per round (down + up) for each architecture: the reference
+        # of the communication ratio (experiments-fedict.md §6, "FedAvg-type: 8·|W|").
+        self.weight_exchange_bytes = {
+            name: 2 * 4 * num_flat(build_model_for(cfg, dataset, (INIT,), name)) for name in set(self.architectures)
+        }
         self.server = ServerContext(
-            model=build_model_for(cfg, dataset, (INIT,)),
+            model=self._server_model(cfg, dataset),
             state={},
             generator=make_generator(cfg.seed, SERVER, 0),
             num_classes=dataset.num_classes,
@@ -171,6 +194,26 @@ class ServerRuntime:
         self.state = RunState()
         self._store_ready = False
         self.algorithm.init_server(self.server)
+
+    def _server_model(self, cfg: Config, dataset: Dataset) -> torch.nn.Module:
+        """The global model; for knowledge exchange, ``model.server`` on the clients' feature maps."""
+        if not self.knowledge_exchange:
+            return build_model_for(cfg, dataset, (INIT,))
+        shapes = {}
+        for name in dict.fromkeys(self.architectures):
+            client_model = build_model_for(cfg, dataset, (INIT,), name)
+            if not hasattr(client_model, "split_features"):
+                raise ConfigError(
+                    f"model.clients: {name!r} has no extractor/predictor split; {cfg.algorithm.display_name()} needs "
+                    "split models (fd_resnet2/4/8/10/12, fd_mlp16/32/64)"
+                )
+            shapes[name] = tuple(client_model.feature_shape)
+        if len(set(shapes.values())) > 1:
+            raise ConfigError(
+                f"model.clients: the server trains on the clients' features, so they must have one shape; got {shapes}"
+            )
+        feature_shape = next(iter(shapes.values()))
+        return build_model_for(cfg, dataset, (INIT,), cfg.model.server, feature_shape, cfg.model.server_kwargs)
 
     @property
     def client_store(self) -> MemoryStateStore | DiskStateStore:
@@ -237,11 +280,13 @@ class ServerRuntime:
         acc, loss, _ = self.evaluate_global_with_predictions()
         return acc, loss
 
-    def evaluate_global_with_predictions(self) -> tuple[float, float, torch.Tensor]:
-        """Accuracy (%), loss and the global model's predicted-class histogram on the test set."""
+    def evaluate_global_with_predictions(self, per_sample: bool = False) -> tuple[Any, ...]:
+        """Accuracy (%), loss and the global model's predicted-class histogram on the test set (and, with
+        ``per_sample``, whether each test sample was classified correctly)."""
         batches = self.test_pipeline.test_batches(self.cfg.eval.batch_size)
-        result = evaluate(self.server.model, batches, self.cfg.run.precision)
-        return 100.0 * result.accuracy, result.loss, result.predictions
+        result = evaluate(self.server.model, batches, self.cfg.run.precision, per_sample=per_sample)
+        head = (100.0 * result.accuracy, result.loss, result.predictions)
+        return (*head, result.correct) if per_sample else head
 
     def _diverged(self, rnd: int, info: RoundInfo, what: str) -> None:
         """Stop the run: the round is not recorded and the last good checkpoint stays."""
@@ -286,13 +331,23 @@ class ServerRuntime:
             "bytes_up": bytes_up,
         }
         eval_start = time.perf_counter()
-        if rnd % self.cfg.eval.every == 0 or rnd == self.cfg.rounds:
-            row["test_accuracy"], row["test_loss"], predictions = self.evaluate_global_with_predictions()
+        evaluate_now = rnd % self.cfg.eval.every == 0 or rnd == self.cfg.rounds
+        if evaluate_now and not self.knowledge_exchange:
+            row["test_accuracy"], row["test_loss"], predictions, correct = self.evaluate_global_with_predictions(
+                per_sample=True
+            )
             if not math.isfinite(row["test_loss"]):
                 # Finite weights can still give non-finite logits (e.g. BatchNorm statistics gone wrong).
                 self._diverged(rnd, info, f"its test loss is {row['test_loss']} (non-finite logits)")
             row["prediction_counts"] = [int(v) for v in predictions]
             row["prediction_kl_uniform"] = kl_from_uniform(predictions)
+            if self.algorithm.personal_model == "global" and self.client_test_indices is not None:
+                row.update(personal_metrics({k: correct[ix] for k, ix in enumerate(self.client_test_indices)}))
+        if self.algorithm.personal_model == "local":
+            reports = {cid: r for cid, r in replies.items() if f"{EVAL_PREFIX}count" in r}
+            if reports:
+                row.update(personal_metrics_from_counts(reports))
+        row["bytes_weight_exchange"] = sum(self.weight_exchange_bytes[self.architectures[cid]] for cid in replies)
         if train_label_counts is not None:
             row["train_label_counts"] = [int(v) for v in train_label_counts]
         row.update(extra)
@@ -329,26 +384,61 @@ class ClientRuntime:
         self.pipeline = TensorPipeline(
             dataset, AugmentSpec.from_names(cfg.augmentations()), device=self.device, channels_last=cfg.run.channels_last
         )
-        self.worker = build_model_for(cfg, dataset, (INIT,))  # reused by every client; weights overwritten
-        self.initial_weights = get_flat(self.worker)  # = the server's w_g^0 (same seeded stream)
+        self.dataset = dataset
+        self._architectures = client_architectures(cfg, cfg.partition.num_clients)
+        # One reused worker module per architecture (not per client), made on first use; a client's own
+        # weights are loaded into it with set_flat, never deepcopied.
+        self.workers: dict[str, torch.nn.Module] = {}
+        self.initial_weights_of: dict[str, torch.Tensor] = {}
+        self.worker = self.worker_for(cfg.model_name()) if self._uses(cfg.model_name()) else None
+        self.initial_weights = self.initial_weights_of.get(cfg.model_name())  # = the server's w_g^0
+
+    def _uses(self, name: str) -> bool:
+        return any(self.architecture(cid) == name for cid in self.train_indices)
+
+    def architecture(self, cid: int) -> str:
+        if cid >= len(self._architectures):  # a Flower client id beyond the configured population
+            self._architectures = client_architectures(self.cfg, cid + 1)
+        return self._architectures[cid]
+
+    def worker_for(self, name: str) -> torch.nn.Module:
+        if name not in self.workers:
+            # Every client of one architecture starts from the same seeded weights (for model.name these
+            # are the server's w_g^0: same stream).
+            self.workers[name] = build_model_for(self.cfg, self.dataset, (INIT,), name)
+            self.initial_weights_of[name] = get_flat(self.workers[name])
+        return self.workers[name]
 
     def context(self, cid: int, rnd: int, state: dict[str, Any]) -> ClientContext:
+        name = self.architecture(cid)
+        model = self.worker_for(name)
         return ClientContext(
             cid=cid,
             train_indices=self.train_indices[cid],
             test_indices=self.test_indices[cid] if self.test_indices is not None else None,
             data=self.pipeline,
-            model=self.worker,
+            model=model,
             generator=make_generator(self.cfg.seed, CLIENT, rnd, cid),
             state=state,
             device=self.device,
             precision=self.cfg.run.precision,
-            initial_weights=self.initial_weights,
+            initial_weights=self.initial_weights_of[name],
             round=rnd,
         )
 
     def update(self, cid: int, info: RoundInfo, msg: Message, state: dict[str, Any]) -> Message:
-        return self.algorithm.local_update(self.context(cid, info.round, state), info, msg)
+        ctx = self.context(cid, info.round, state)
+        reply = self.algorithm.local_update(ctx, info, msg)
+        if self.algorithm.personal_model == "local" and ctx.test_indices is not None and ctx.test_indices.numel():
+            # The client's own model after its update, on its own test split (experiments-fedict.md §6 UA_k).
+            correct = self.personal_correct(ctx)
+            reply = Message(reply, **{f"{EVAL_PREFIX}correct": int(correct.sum()), f"{EVAL_PREFIX}count": int(correct.numel())})
+        return reply
+
+    def personal_correct(self, ctx: ClientContext) -> torch.Tensor:
+        """Whether the worker (holding this client's model) classifies each of the client's test samples right."""
+        batches = self.pipeline.test_batches_of(ctx.test_indices, self.cfg.eval.batch_size)
+        return evaluate(ctx.model, batches, self.cfg.run.precision, per_sample=True).correct
 
 
 class Simulation:
@@ -368,7 +458,9 @@ class Simulation:
         self.federation = federation or build_federation(cfg, dataset)
         fed = self.federation
         sizes = tuple(int(ix.numel()) for ix in fed.train_indices)  # n_k of the population (FedDyn's α_k)
-        self.server_runtime = ServerRuntime(cfg, dataset, fed.num_clients, run_dir, client_num_samples=sizes)
+        self.server_runtime = ServerRuntime(
+            cfg, dataset, fed.num_clients, run_dir, client_num_samples=sizes, client_test_indices=fed.test_indices
+        )
         self.client_runtime = ClientRuntime(
             cfg,
             dataset,
@@ -459,21 +551,77 @@ class Simulation:
         return self.state.history
 
 
-def summarise(history: list[dict[str, Any]], target: float | None) -> dict[str, Any]:
-    """Final and best accuracy, round of best, rounds to target, totals (DESIGN.md "run directory")."""
-    evaluated = [r for r in history if r.get("test_accuracy") is not None]
-    best = max(evaluated, key=lambda r: r["test_accuracy"], default=None)
-    reached = next((r["round"] for r in evaluated if target is not None and r["test_accuracy"] >= target), None)
-    return {
+PERSONAL_QUANTILES = {"min": 0.0, "q1": 0.25, "median": 0.5, "q3": 0.75, "max": 1.0}
+
+
+def _personal_row(accuracies: dict[int, float]) -> dict[str, Any]:
+    cids = sorted(accuracies)
+    values = torch.tensor([accuracies[c] for c in cids], dtype=torch.float64)
+    row: dict[str, Any] = {"personal_accuracy": float(values.mean())}  # unweighted over clients (avg UA)
+    for name, q in PERSONAL_QUANTILES.items():
+        row[f"personal_{name}"] = float(torch.quantile(values, q))
+    row["personal_clients"] = cids
+    row["personal_accuracies"] = [float(v) for v in values]
+    return row
+
+
+def personal_metrics(correct_by_client: Mapping[int, torch.Tensor]) -> dict[str, Any]:
+    """avg UA and its spread over clients (experiments-fedict.md §6) from per-sample correctness.
+
+    ``personal_accuracy`` is the unweighted mean of the clients' accuracies (%), as the paper's np.mean;
+    the quartiles show how differently the clients fare. Clients with an empty test split are left out.
+    """
+    accuracies = {cid: 100.0 * float(c.double().mean()) for cid, c in correct_by_client.items() if c.numel()}
+    return _personal_row(accuracies) if accuracies else {}
+
+
+def personal_metrics_from_counts(replies: Mapping[int, Message]) -> dict[str, Any]:
+    """The same, from the correct/count reports clients attached to their replies (their own models)."""
+    accuracies = {
+        cid: 100.0 * int(r[f"{EVAL_PREFIX}correct"]) / int(r[f"{EVAL_PREFIX}count"])
+        for cid, r in replies.items()
+        if int(r[f"{EVAL_PREFIX}count"]) > 0
+    }
+    return _personal_row(accuracies) if accuracies else {}
+
+
+def summarise(history: list[dict[str, Any]], target: float | None, metric: str = "global") -> dict[str, Any]:
+    """Final and best accuracy, round of best, rounds to target, totals (DESIGN.md "run directory").
+
+    ``metric`` picks the accuracy: ``global`` (the global model on the test set) or ``personal`` (the
+    clients' average accuracy on their own test splits, ``Config.accuracy_metric``).
+    """
+    key = "personal_accuracy" if metric == "personal" else "test_accuracy"
+    evaluated = [r for r in history if r.get(key) is not None]
+    best = max(evaluated, key=lambda r: r[key], default=None)
+    reached = next((r["round"] for r in evaluated if target is not None and r[key] >= target), None)
+    bytes_total = sum(r["bytes_down"] + r["bytes_up"] for r in history)
+    weights_total = sum(r.get("bytes_weight_exchange") or 0 for r in history)
+    summary = {
         "rounds": len(history),
-        "final_accuracy": evaluated[-1]["test_accuracy"] if evaluated else None,
-        "final_loss": evaluated[-1]["test_loss"] if evaluated else None,
-        "best_accuracy": best["test_accuracy"] if best else None,
+        "accuracy_metric": metric,
+        "final_accuracy": evaluated[-1][key] if evaluated else None,
+        "final_loss": evaluated[-1].get("test_loss") if evaluated else None,
+        "best_accuracy": best[key] if best else None,
         "best_round": best["round"] if best else None,
         "target_accuracy": target,
         "rounds_to_target": reached,
         "bytes_down": int(sum(r["bytes_down"] for r in history)),
         "bytes_up": int(sum(r["bytes_up"] for r in history)),
+        "bytes_per_round": bytes_total / len(history) if history else None,
+        # Bytes sent against what exchanging the clients' weights (FedAvg) would have cost in the same
+        # rounds with the same clients and architectures: the FD papers' communication claim.
+        "bytes_ratio_to_weight_exchange": bytes_total / weights_total if weights_total else None,
         "seconds": float(sum(r["seconds"] for r in history)),
         "mean_train_loss_last": history[-1]["train_loss"] if history else None,
     }
+    personal = [r for r in history if r.get("personal_accuracy") is not None]
+    if personal:
+        last = personal[-1]
+        summary["final_personal_accuracy"] = last["personal_accuracy"]
+        summary["best_personal_accuracy"] = max(r["personal_accuracy"] for r in personal)
+        summary["final_personal_spread"] = {name: last[f"personal_{name}"] for name in PERSONAL_QUANTILES}
+        # mean of the last 10 evaluated rounds (experiments-fedict.md §6 asks for it next to the final value)
+        tail = personal[-10:]
+        summary["last10_personal_accuracy"] = sum(r["personal_accuracy"] for r in tail) / len(tail)
+    return summary

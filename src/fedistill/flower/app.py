@@ -264,7 +264,9 @@ def run_server(grid: Grid, cfg: Config, settings: FlowerSettings) -> dict[str, A
     # Client sizes from the server's copy of the partition (exact with partition-id nodes; with node-local
     # data-dir files the server does not know them, so FedDyn's adaptive α_k uses the partition's sizes).
     sizes = tuple(int(ix.numel()) for ix in federation.train_indices)
-    runtime = ServerRuntime(cfg, dataset, num_clients, path, client_num_samples=sizes)
+    runtime = ServerRuntime(
+        cfg, dataset, num_clients, path, client_num_samples=sizes, client_test_indices=federation.test_indices
+    )
     note = ""
     if settings.resume:
         run_dir = RunDirectory(path)
@@ -304,7 +306,7 @@ def run_server(grid: Grid, cfg: Config, settings: FlowerSettings) -> dict[str, A
 
     def finish(status: str, error: str | None = None) -> dict[str, Any]:
         history = runtime.state.history
-        summary = summarise(history, cfg.eval.target_accuracy)
+        summary = summarise(history, cfg.eval.target_accuracy, cfg.accuracy_metric())
         summary.update(status=status, run_dir=str(run_dir.path), model_parameters=num_flat(runtime.server.model))
         if error:
             summary["error"] = error

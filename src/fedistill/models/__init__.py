@@ -1,7 +1,9 @@
 """Model zoo. Importing this package registers every model in :data:`fedistill.registry.MODELS`.
 
 Registered names: ``cnn`` (FedAvg/FedNTD/FedLMD CNN), ``digits_cnn`` (tiny CNN for 8x8 digits), ``mlp``
-(2NN), ``resnet8`` (CIFAR-style), ``resnet18`` (cifar or imagenet stem), ``mobilenet_v2``. Create one with
+(2NN), ``resnet8`` (CIFAR-style), ``resnet18`` (cifar or imagenet stem), ``mobilenet_v2``, and FedICT's
+extractor/predictor-split client and server models ``fd_resnet2/4/8/10/12``, ``fd_server_resnet56``,
+``fd_mlp16/32/64``, ``fd_server_mlp`` (:mod:`.split`). Create one with
 :func:`build_model`; every model is a :class:`ClassifierModel` (``extract`` -> features, ``classify`` ->
 logits). Any of them takes ``projection_dim`` for MOON's projection head (:class:`ProjectedClassifier`).
 
@@ -10,7 +12,7 @@ Server-side image generators (``cgenerator``, ``generator``) are not classifiers
 FedGen's :class:`FeatureGenerator` makes penultimate features for a model's head and is built by FedGen.
 """
 
-from . import cnn, generators, mlp, mobilenet, resnet  # noqa: F401  (imported for their registrations)
+from . import cnn, generators, mlp, mobilenet, resnet, split  # noqa: F401  (imported for their registrations)
 from .base import ClassifierModel
 from .cnn import DigitsCNN, FedAvgNet
 from .generators import CGeneratorA, FeatureGenerator, GeneratorA, build_generator

@@ -36,6 +36,31 @@ def plot_accuracy(curves: dict[str, Sequence[tuple[int, float]]], path: Path, ta
     plt.close(fig)
 
 
+def plot_personal_accuracy(history: Sequence[dict], path: Path, label: str = "") -> bool:
+    """Personalised accuracy against round: the clients' mean, their quartile band and min-max band.
+
+    Returns False (and writes nothing) when the run has no personalised accuracy.
+    """
+    rows = [r for r in history if r.get("personal_accuracy") is not None]
+    if not rows:
+        return False
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=120)
+    rounds = [r["round"] for r in rows]
+    ax.fill_between(rounds, [r["personal_min"] for r in rows], [r["personal_max"] for r in rows], alpha=0.15, label="min-max")
+    ax.fill_between(rounds, [r["personal_q1"] for r in rows], [r["personal_q3"] for r in rows], alpha=0.3, label="quartiles")
+    ax.plot(rounds, [r["personal_median"] for r in rows], linewidth=1, linestyle=":", label="median")
+    ax.plot(rounds, [r["personal_accuracy"] for r in rows], linewidth=1.5, label=f"{label} mean over clients".strip())
+    ax.set_xlabel("round")
+    ax.set_ylabel("personalised accuracy (%)")
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return True
+
+
 def plot_partition(counts: np.ndarray, path: Path, title: str = "") -> None:
     """Client x class sample counts as a heatmap (clients on the y axis)."""
     plt = _pyplot()

@@ -21,8 +21,9 @@ import yaml
 from ..errors import ConfigError
 
 METRIC_COLUMNS = [
-    "round", "lr", "clients", "train_loss", "test_accuracy", "test_loss", "bytes_down", "bytes_up",
-    "train_seconds", "eval_seconds", "seconds",
+    "round", "lr", "clients", "train_loss", "test_accuracy", "test_loss", "personal_accuracy", "personal_min",
+    "personal_q1", "personal_median", "personal_q3", "personal_max", "bytes_down", "bytes_up",
+    "bytes_weight_exchange", "train_seconds", "eval_seconds", "seconds",
 ]
 
 
@@ -138,6 +139,18 @@ class RunDirectory:
                 writer.writerow({k: ("" if row.get(k) is None else _clean(row.get(k))) for k in columns})
         os.replace(tmp, self.path / "metrics.csv")
         self.write_class_distributions(history)
+        self.write_personal_accuracies(history)
+
+    def write_personal_accuracies(self, history: list[dict[str, Any]]) -> None:
+        """``personal_accuracy.csv``: every client's own accuracy (%) in every evaluated round (long format)."""
+        body = "".join(
+            f"{r['round']},{cid},{acc!r}\n"
+            for r in history
+            if r.get("personal_clients") is not None
+            for cid, acc in zip(r["personal_clients"], r["personal_accuracies"])
+        )
+        if body:
+            _atomic_write(self.path / "personal_accuracy.csv", "round,client,accuracy\n" + body)
 
     def write_class_distributions(self, history: list[dict[str, Any]]) -> None:
         """``class_distributions.csv``: per round, the training labels of the round's clients and the global
