@@ -105,6 +105,38 @@ def test_message_round_trip_through_flower_serialisation():
     assert len(records_to_message(message_to_records(Message()))) == 0
 
 
+def test_knowledge_messages_survive_the_transport():
+    """What FedGKT/FedDKC/FedICT exchange: an empty broadcast, N x 16 x H x W features, int32 labels and count,
+    eval.* reports and int/float scalars, through Flower's proto encoding and its transport objects; and the
+    client state (its model, momentum and the bool setup_sent) through the transport encoding of context.state."""
+    upload = Message(
+        features=torch.randn(5, 16, 8, 8),
+        logits=torch.randn(5, 10),
+        labels=torch.tensor([3, 0, 9, 9, 1], dtype=torch.int32),
+        distribution=torch.rand(10),
+        count=torch.tensor([5], dtype=torch.int32),
+        train_loss=0.1 + 0.2,
+        num_samples=5,
+        **{"eval.correct": 3, "eval.count": 4},
+    )
+    for carry in (lambda c: recorddict_from_proto(recorddict_to_proto(c)), over_the_wire):
+        back = records_to_message(carry(message_to_records(upload)))
+        assert set(back) == set(upload)
+        for key, value in upload.items():
+            got = back[key]
+            if isinstance(value, torch.Tensor):
+                assert got.dtype == value.dtype and got.shape == value.shape and torch.equal(got, value), key
+            else:
+                assert type(got) is type(value) and got == value, key
+        assert back.nbytes() == upload.nbytes() == 4 * (5 * 16 * 64 + 5 * 10 + 5 + 10 + 1) + 2 * 8  # eval.* not counted
+        empty = carry(message_to_records(Message(), RoundInfo(1, 0.05), cid=2))
+        assert len(records_to_message(empty)) == 0 and records_to_round(empty) == (RoundInfo(1, 0.05), 2)
+    store = RecordDict()
+    save_client_state(store, 2, {"model": torch.randn(7), "momentum": torch.zeros(7), "setup_sent": True})
+    state = load_client_state(over_the_wire(store), 2)
+    assert state["setup_sent"] is True and state["model"].shape == (7,)
+
+
 def test_client_state_survives_in_context_state():
     state = {"c_i": torch.randn(5), "nested": {"step": 3, "head": torch.ones(2, dtype=torch.bfloat16)}, "seen": [1, 2]}
     store = RecordDict()
@@ -132,9 +164,12 @@ class FakeGrid:
     """An in-process Grid: messages go straight to the ClientApp handlers of fake SuperNodes.
 
     ``silent`` nodes take messages but never answer (a SuperNode that died while still registered).
+    With ``wire``, every message (both ways) and each node's ``context.state`` between two messages go
+    through Flower 1.41's own transport encoding (deflated objects, inflated again), as between processes.
     """
 
-    def __init__(self, cfg, node_configs: dict[int, dict]):
+    def __init__(self, cfg, node_configs: dict[int, dict], wire: bool = False):
+        self.wire = wire
         self.run_config = {}
         self.contexts = {
             node_id: Context(run_id=1, node_id=node_id, node_config=nc, state=RecordDict(), run_config={})
@@ -158,11 +193,29 @@ class FakeGrid:
             if node in self.silent or (node in self.silent_from_round and rnd >= self.silent_from_round[node]):
                 continue
             handler = flower_app.client_hello if m.metadata.message_type == flower_app.HELLO else flower_app.client_train
-            self.replies[mid] = handler(m, self.contexts[node])
+            if self.wire:
+                context = self.contexts[node]
+                context.state = over_the_wire(context.state)
+                self.replies[mid] = over_the_wire(handler(over_the_wire(m), context))
+            else:
+                self.replies[mid] = handler(m, self.contexts[node])
         return ids
 
     def pull_messages(self, ids):
         return [self.replies.pop(i) for i in list(ids) if i in self.replies]
+
+
+def over_the_wire(obj):
+    """A Flower Message or RecordDict after the SuperLink/SuperNode transport: its objects deflated to bytes
+    (arrays in chunks), content-addressed, and inflated again on the other side."""
+    from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
+    from flwr.supercore.inflatable.inflatable_utils import inflate_object_from_contents
+
+    contents = {oid: part.deflate() for oid, part in get_all_nested_objects(obj).items()}
+    back = inflate_object_from_contents(obj.object_id, contents)
+    if hasattr(obj, "metadata"):  # the message id is not part of the object; the SuperLink sets it
+        back.metadata.__dict__["_message_id"] = obj.metadata.message_id
+    return back
 
 
 @pytest.fixture
@@ -534,3 +587,68 @@ def test_stateful_algorithms_keep_client_state_in_context_state(tmp_path, keep_t
     grid = FakeGrid(cfg, nodes_for(3))
     assert flower_app.run_server(grid, cfg, FlowerSettings(run_dir=str(run), round_timeout=5))["status"] == "finished"
     assert torch.allclose(checkpoint_flat(cfg, run), expected, atol=1e-6), algorithm
+
+
+# ====================================================== federated distillation: no weights travel
+def fd_config(algorithm, clients):
+    """Three clients, two rounds of a knowledge-exchange method on digits (own models, per-client tests)."""
+    return flower_config(
+        rounds=2,
+        algorithm=algorithm,
+        **{
+            "partition.per_client_test": True,
+            "model.clients": clients,
+            "model.server": "fd_server_resnet56",
+            "model.server_kwargs": {"blocks_per_stage": 1},
+            "local.weight_decay": 5e-4,
+        },
+    )
+
+
+@pytest.mark.parametrize(
+    "algorithm, clients",
+    [
+        # labels, d^k and N^k (int32, float32) go up once; three architectures, derived on each side
+        ({"name": "fedict", "variant": "balance"}, ["fd_resnet2", "fd_resnet4", "fd_resnet8"]),
+        # labels with every upload, one architecture
+        ({"name": "fedgkt"}, ["fd_resnet8"]),
+    ],
+    ids=["fedict-heterogeneous", "fedgkt"],
+)
+def test_fake_grid_federated_distillation_equals_the_simulation(tmp_path, keep_threads, task_identity, algorithm, clients):
+    """Features, logits and labels up, an empty broadcast then the server's knowledge down, every message and
+    each node's context.state through Flower's transport encoding: the rows (personalised accuracies from
+    the eval.* scalars, bytes, server loss), the server predictor and the clients' own models equal the
+    simulation's exactly."""
+    cfg = fd_config(algorithm, clients)
+    sim = Simulation(cfg, load_dataset_for(cfg))
+    sim_history = sim.run()
+    run = tmp_path / "run"
+    grid = FakeGrid(cfg, nodes_for(3), wire=True)
+    summary = flower_app.run_server(grid, cfg, FlowerSettings(run_dir=str(run), round_timeout=5))
+    assert summary["status"] == "finished"
+    rows = read_rows(run)
+    keys = (
+        "clients", "train_loss", "server_loss", "bytes_down", "bytes_up", "bytes_weight_exchange",
+        "personal_clients", "personal_accuracies", "personal_accuracy",
+    )
+    assert [{k: r[k] for k in keys} for r in rows] == [{k: r[k] for k in keys} for r in sim_history]
+    assert rows[0]["bytes_down"] == 0 < rows[1]["bytes_down"]  # nothing to send before a client's first upload
+    assert rows[1]["personal_clients"] == [0, 1, 2] and rows[1]["test_accuracy"] is None
+    if algorithm["name"] == "fedict":
+        assert rows[0]["bytes_up"] > rows[1]["bytes_up"]  # the setup upload went once: setup_sent persisted
+    assert summary["final_accuracy"] == sim_history[-1]["personal_accuracy"] and summary["accuracy_metric"] == "personal"
+    assert (run / "personal_accuracy.png").exists()
+
+    payload = torch.load(run / "checkpoint.pt", map_location="cpu", weights_only=True)
+    expected = sim.server.model.state_dict()
+    assert payload["global_model"].keys() == expected.keys()
+    for key, value in expected.items():
+        assert torch.equal(payload["global_model"][key], value), key
+    for cid in range(3):
+        assert torch.equal(payload["server_state"]["knowledge"][cid], sim.server.state["knowledge"][cid])
+        # each client's own model and momentum persisted in its node's context.state, as in the simulation's store
+        state = load_client_state(grid.contexts[1000 + cid].state, cid)
+        sim_state = sim.server_runtime.client_store.load(cid)
+        assert state.keys() == sim_state.keys() and state["setup_sent"] is True
+        assert torch.equal(state["model"], sim_state["model"]) and torch.equal(state["momentum"], sim_state["momentum"])

@@ -248,7 +248,7 @@ def run_server(grid: Grid, cfg: Config, settings: FlowerSettings) -> dict[str, A
     """
     from ..engine.simulation import ServerRuntime, apply_process_settings, build_federation, round_info, summarise
     from ..models.flat import num_flat
-    from ..report.plots import plot_accuracy, plot_class_distributions, plot_partition
+    from ..report.plots import plot_accuracy, plot_class_distributions, plot_partition, plot_personal_accuracy
     from ..report.rundir import RunDirectory
     from ..runner import load_dataset_for
 
@@ -299,6 +299,11 @@ def run_server(grid: Grid, cfg: Config, settings: FlowerSettings) -> dict[str, A
     counts = federation.class_counts()
     run_dir.write_partition(counts)
     plot_partition(counts, run_dir.path / "partition.png", f"{cfg.partition.scheme}: {num_clients} clients")
+    # The accuracy that rounds, summaries and plots report, as `fedistill run`: the global model's on the
+    # test set, or (partition.per_client_test) the clients' mean on their own test splits.
+    accuracy_key, accuracy_name = (
+        ("personal_accuracy", "personal accuracy") if cfg.accuracy_metric() == "personal" else ("test_accuracy", "accuracy")
+    )
     _say(
         f"{cfg.algorithm.display_name()} on {cfg.dataset.name}, {num_clients} clients, {cfg.clients_per_round}/round, "
         f"{cfg.rounds} rounds, {cfg.run.threads} thread(s) per client -> {run_dir.path}{note}"
@@ -362,10 +367,10 @@ def run_server(grid: Grid, cfg: Config, settings: FlowerSettings) -> dict[str, A
             bytes_up = sum(reply.nbytes() for reply in replies.values())
             row = runtime.complete_round(info, replies, bytes_down, bytes_up, started)
             run_dir.append_metrics(row)
-            acc = row.get("test_accuracy")
+            acc = row.get(accuracy_key)
             _say(
                 f"round {rnd}/{cfg.rounds}: {len(replies)} clients, "
-                + (f"accuracy {acc:.2f}%, " if acc is not None else "")
+                + (f"{accuracy_name} {acc:.2f}%, " if acc is not None else "")
                 + f"{bytes_down} B down, {bytes_up} B up, {row['seconds']:.1f} s"
             )
     except TrainingDiverged as exc:
@@ -381,10 +386,12 @@ def run_server(grid: Grid, cfg: Config, settings: FlowerSettings) -> dict[str, A
         finish("stopped", "the run was stopped before its last round")
         raise
     summary = finish("finished")
-    curve = [(r["round"], r["test_accuracy"]) for r in runtime.state.history if r.get("test_accuracy") is not None]
+    history = runtime.state.history
+    curve = [(r["round"], r[accuracy_key]) for r in history if r.get(accuracy_key) is not None]
     plot_accuracy({cfg.algorithm.display_name(): curve}, run_dir.path / "accuracy.png", cfg.eval.target_accuracy)
-    plot_class_distributions({cfg.algorithm.display_name(): runtime.state.history}, run_dir.path / "class_distributions.png")
-    _say(f"finished: final accuracy {summary['final_accuracy']}, run directory {run_dir.path}")
+    plot_personal_accuracy(history, run_dir.path / "personal_accuracy.png", cfg.algorithm.display_name())
+    plot_class_distributions({cfg.algorithm.display_name(): history}, run_dir.path / "class_distributions.png")
+    _say(f"finished: final {accuracy_name} {summary['final_accuracy']}, run directory {run_dir.path}")
     return summary
 
 
