@@ -342,3 +342,18 @@ def test_resume_equals_an_uninterrupted_run(digits, tmp_path):
     assert [{k: r[k] for k in keys} for r in history] == [{k: r[k] for k in keys} for r in straight]
     assert torch.equal(get_flat(resumed.server.model), get_flat(straight_sim.server.model))
     assert torch.equal(resumed.server.state["server_momentum"], straight_sim.server.state["server_momentum"])
+
+
+@pytest.mark.parametrize("ablation", ["uniform", "normal", "exponential"])
+def test_table8_ablation_replaces_every_distribution_vector_by_a_random_softmax(digits, ablation):
+    """experiments-fedict.md §7: d^k = softmax(ξ^k), one draw per client; FPKD and LKA both use it."""
+    sim, _ = run(fd_config("fedict", rounds=2, params={"distribution_ablation": ablation}), digits)
+    for cid, ix in enumerate(sim.federation.train_indices):
+        fake = sim.server.state["distributions"][cid]
+        stored = sim.server_runtime.client_store.load(cid)["ablation_distribution"]
+        torch.testing.assert_close(fake, stored.double())  # the server got the client's stand-in, kept across rounds
+        real = torch.bincount(digits.train_y[ix], minlength=10).double() / ix.numel()
+        assert not torch.allclose(fake, real) and (fake > 0).all() and float(fake.sum()) == pytest.approx(1.0)
+        xi = fake.log() - fake.log().mean()  # ξ up to a constant
+        if ablation == "uniform":
+            assert float(xi.max() - xi.min()) <= 3.0 + 1e-9  # ξ_c in [0, 3]

@@ -44,6 +44,11 @@ class FedICTParams(FedGKTParams):
     lka_weight: float = Field(1.5, ge=0, description="μ of Eq. 9")
     fpkd_temperature: float = Field(3.0, gt=0, description="T of Eq. 11")
     lka_temperature: float = Field(7.0, gt=0, description="U of Eq. 14")
+    distribution_ablation: Literal["none", "uniform", "normal", "exponential"] = Field(
+        "none",
+        description="Table VIII's D_meta@: replace d^k by softmax(ξ), ξ_c i.i.d. U(0,3), N(0, variance 3) or "
+        "exponential with rate 3, one draw per client (experiments-fedict.md §7)",
+    )
 
 
 @ALGORITHMS.register("fedict")
@@ -53,14 +58,31 @@ class FedICT(FedGKT):
     labels_every_round = False
 
     # -- client: FPKD -------------------------------------------------------------------------------------
+    def client_distribution(self, client: ClientContext) -> torch.Tensor:
+        """d^k (Eq. 7) of the client's training labels, or Table VIII's random stand-in, float64.
+
+        The random one is drawn once, at the client's first round, from its own stream, and kept in its state.
+        """
+        ablation = self.params.distribution_ablation
+        if ablation == "none":
+            return label_distribution(client.data.dataset.train_y[client.train_indices], client.data.num_classes)
+        if "ablation_distribution" not in client.state:
+            c, g = client.data.num_classes, client.generator
+            if ablation == "uniform":
+                xi = 3.0 * torch.rand(c, generator=g, dtype=torch.float64)
+            elif ablation == "normal":
+                xi = 3.0**0.5 * torch.randn(c, generator=g, dtype=torch.float64)
+            else:  # exponential with rate 3: inverse CDF of a uniform draw
+                xi = -torch.log1p(-torch.rand(c, generator=g, dtype=torch.float64)) / 3.0
+            client.state["ablation_distribution"] = torch.softmax(xi, dim=0)
+        return client.state["ablation_distribution"]
+
     def _class_weights(self, client: ClientContext) -> torch.Tensor:
-        """w^k of Eq. 11 from the client's own training labels (cached per client for the round)."""
+        """w^k of Eq. 11 (cached per client for the round)."""
         key = (client.cid, client.round)
         if getattr(self, "_weights_key", None) != key:
-            labels = client.data.dataset.train_y[client.train_indices]
-            distribution = label_distribution(labels, client.data.num_classes)
             self._weights_key = key
-            self._weights = fpkd_class_weights(distribution, self.params.fpkd_temperature).float()
+            self._weights = fpkd_class_weights(self.client_distribution(client), self.params.fpkd_temperature).float()
         return self._weights
 
     def client_distillation(self, client: ClientContext, logits: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor:
@@ -71,7 +93,7 @@ class FedICT(FedGKT):
 
     def setup_payload(self, client: ClientContext, labels: torch.Tensor) -> dict[str, torch.Tensor]:
         """d^k (C float32), N^k (one int32) and Y^k (N^k int32): 4·(C + 1 + N^k) bytes, once (card §2)."""
-        distribution = label_distribution(labels.long(), client.data.num_classes)
+        distribution = self.client_distribution(client)
         return {
             DISTRIBUTION: distribution.float(),
             COUNT: torch.tensor([labels.numel()], dtype=torch.int32),
