@@ -312,3 +312,25 @@ def test_privacy_bytes_are_the_weighted_predictions_and_scores_instead_of_the_he
     assert private[0]["bytes_up"] == plain[0]["bytes_up"] - clients * 4 * head  # round 1: no distillation
     assert private[1]["bytes_up"] == plain[1]["bytes_up"] - clients * 4 * head + clients * 8 * samples * (classes + 1)
     assert private[1]["bytes_down"] == plain[1]["bytes_down"] + clients * 8
+
+
+def test_joint_step_trains_the_shared_extractor_through_the_adversarial_loss_alone(digits, monkeypatch):
+    """Card §7: with the CE zeroed, L_adv of Eq. 9 still moves φ_k (the extractor it shares with ψ_k), but
+    not the classifier head h_k; with the discriminator off as well, nothing moves."""
+    import fedistill.algorithms.dafkd as dafkd_module
+
+    real_ce = torch.nn.functional.cross_entropy
+    monkeypatch.setattr(dafkd_module.torch.nn.functional, "cross_entropy", lambda logits, y, **kw: 0.0 * real_ce(logits, y))
+    base = {**DAFKD, **QUICK, "rounds": 1, "local.weight_decay": 0.0, "algorithm.generator_rounds": 0}
+    for discriminator_on in (True, False):
+        extra = {} if discriminator_on else {"algorithm.discriminator_rounds": 0}
+        sim = Simulation(small_config(**base, **extra), digits)
+        start = sim.server.model
+        start_extractor = [p.detach().clone() for n, p in start.named_parameters() if not n.startswith("classifier")]
+        start_head = [p.detach().clone() for p in start.classifier.parameters()]
+        _round(sim, 1)
+        worker = sim.client_runtime.worker  # holds the last client's updated model
+        extractor = [p for n, p in worker.named_parameters() if not n.startswith("classifier")]
+        moved = any(not torch.equal(a, b) for a, b in zip(start_extractor, extractor))
+        assert moved is discriminator_on
+        assert all(torch.equal(a, b) for a, b in zip(start_head, worker.classifier.parameters()))
