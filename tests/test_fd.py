@@ -357,3 +357,8 @@ def test_table8_ablation_replaces_every_distribution_vector_by_a_random_softmax(
         xi = fake.log() - fake.log().mean()  # ξ up to a constant
         if ablation == "uniform":
             assert float(xi.max() - xi.min()) <= 3.0 + 1e-9  # ξ_c in [0, 3]
+
+
+def test_clients_evaluate_their_own_models_only_in_evaluation_rounds(digits):
+    _, history = run(fd_config("fedgkt", rounds=3, clients=["fd_resnet2"], eval__every=2), digits)
+    assert [r.get("personal_accuracy") is not None for r in history] == [False, True, True]  # round 2, and the last

@@ -429,7 +429,8 @@ class ClientRuntime:
     def update(self, cid: int, info: RoundInfo, msg: Message, state: dict[str, Any]) -> Message:
         ctx = self.context(cid, info.round, state)
         reply = self.algorithm.local_update(ctx, info, msg)
-        if self.algorithm.personal_model == "local" and ctx.test_indices is not None and ctx.test_indices.numel():
+        evaluate_now = info.round % self.cfg.eval.every == 0 or info.round == self.cfg.rounds  # as the server does
+        if self.algorithm.personal_model == "local" and evaluate_now and ctx.test_indices is not None and ctx.test_indices.numel():
             # The client's own model after its update, on its own test split (experiments-fedict.md §6 UA_k).
             correct = self.personal_correct(ctx)
             reply = Message(reply, **{f"{EVAL_PREFIX}correct": int(correct.sum()), f"{EVAL_PREFIX}count": int(correct.numel())})
