@@ -78,6 +78,9 @@ def test_bad_architecture_configs_are_refused_with_a_reason(digits):
         build_config({"model": {"clients": ["fd_resnet9"]}})
     with pytest.raises(ConfigError, match="eval.metric"):
         build_config({"eval": {"metric": "personal"}})
+    for tree in ({"name": "fedgkt", "plus": ["fedprox"]}, {"name": "fedavg", "plus": ["fedict"]}):
+        with pytest.raises(ConfigError, match="not a parameter-averaging method"):
+            build_config({"algorithm": tree})
 
 
 # -- personalised evaluation ---------------------------------------------------------------------------
