@@ -108,7 +108,7 @@ def run_experiment(
 
     start_round = sim.state.round
     console.print(
-        f"[bold]{cfg.algorithm.display_name()}[/] on {cfg.dataset.name} ({cfg.model_name()}), {cfg.partition.num_clients} clients "
+        f"[bold]{cfg.algorithm.display_name()}[/] on {cfg.dataset.name} ({describe_models(cfg)}), {cfg.partition.num_clients} clients "
         f"({cfg.partition.scheme}), {cfg.clients_per_round}/round, {cfg.rounds} rounds -> {run_dir.path}{note}"
     )
     progress = Progress(
@@ -179,6 +179,15 @@ def print_summary(console: Console, summaries: dict[str, dict[str, Any]]) -> Non
             _fmt(s.get("seconds"), ".1f"),
         )
     console.print(table)
+
+
+def describe_models(cfg: Any) -> str:
+    """The model(s) a run trains, for its first log line: one name, or the client and server architectures."""
+    names = cfg.model.client_model_names()
+    clients = ", ".join(names) if names else cfg.model_name()
+    if cfg.model.server is None and not names:
+        return clients
+    return f"clients: {clients}" + (f"; server: {cfg.model.server}" if cfg.model.server else "")
 
 
 def saved_accuracy_metric(config: dict[str, Any]) -> str:
