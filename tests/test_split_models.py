@@ -10,10 +10,10 @@ from torch import nn
 import fedistill.models  # noqa: F401  (registers the models)
 from fedistill.errors import ConfigError
 from fedistill.models import ClassifierModel, build_model, model_options
+from fedistill.models.mlp import MLP
 from fedistill.models.split import (
     IMAGE_CLIENT_MODELS,
     MLP_CLIENT_MODELS,
-    FDMLPServer,
     FDResNetServer,
     SplitClassifier,
     TorchvisionBottleneck,
@@ -247,7 +247,7 @@ def test_blocks_per_stage_builds_a_smaller_server():
 def test_server_mlp_takes_flat_or_3d_features():
     client = make("fd_mlp32", (20, 1, 1), 5).eval()
     server = make("fd_server_mlp", client.feature_shape, 5).eval()
-    assert isinstance(server, FDMLPServer)
+    assert isinstance(server, MLP)
     assert server.input_shape == (13, 1, 1)
     assert server.feature_dim == 38
     with torch.no_grad():

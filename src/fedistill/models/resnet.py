@@ -43,6 +43,16 @@ from ..registry import MODELS
 from .base import ClassifierModel, check_positive_ints
 
 
+def init_conv_bn(module: nn.Module) -> None:
+    """Kaiming-normal (fan_out, ReLU) for convolutions, BN weight 1 / bias 0; linear layers keep their init."""
+    for m in module.modules():
+        if isinstance(m, nn.Conv2d):
+            nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
+        elif isinstance(m, nn.BatchNorm2d):
+            nn.init.ones_(m.weight)
+            nn.init.zeros_(m.bias)
+
+
 def conv3x3(in_ch: int, out_ch: int, stride: int = 1) -> nn.Conv2d:
     return nn.Conv2d(in_ch, out_ch, kernel_size=3, stride=stride, padding=1, bias=False)
 
@@ -155,12 +165,7 @@ class ResNet(ClassifierModel):
         self._init_weights()
 
     def _init_weights(self) -> None:
-        for m in self.modules():
-            if isinstance(m, nn.Conv2d):
-                nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
-            elif isinstance(m, nn.BatchNorm2d):
-                nn.init.ones_(m.weight)
-                nn.init.zeros_(m.bias)
+        init_conv_bn(self)
 
     def feature_map(self, x: torch.Tensor) -> torch.Tensor:
         """Output of the last stage before pooling, shape ``(batch, feature_dim, h, w)``."""

@@ -18,7 +18,7 @@ so weight-averaging methods (FedAvg, FedAdam, ...) train them like any zoo model
 * ``predictor_modules()``, ``extractor_parameters()``, ``predictor_parameters()`` — to tell the two
   halves' parameters apart (e.g. FedGKT-style methods that freeze or regularise one of them).
 
-Server models (:class:`FDResNetServer`, :class:`FDMLPServer`) take ``H`` as their input: their
+Server models (:class:`FDResNetServer`, ``fd_server_mlp``) take ``H`` as their input: their
 ``input_shape`` is a client's ``feature_shape`` and they contain no stem. ``forward(h)`` = logits,
 ``extract(h)`` = their pooled penultimate vector. Build one with
 ``build_model(server_name, client.feature_shape, num_classes)``.
@@ -85,7 +85,8 @@ from torch import nn
 
 from ..registry import MODELS
 from .base import ClassifierModel, check_positive_ints
-from .resnet import BasicBlock, conv3x3
+from .mlp import MLP
+from .resnet import BasicBlock, conv3x3, init_conv_bn
 
 #: The per-sample feature width of the image clients' extractor (the channels of ``H``).
 IMAGE_FEATURE_CHANNELS = 16
@@ -131,16 +132,6 @@ class TorchvisionBottleneck(nn.Module):
         out = self.relu(self.bn2(self.conv2(out)))
         out = self.bn3(self.conv3(out))
         return self.relu(out + self.shortcut(x))
-
-
-def _init_conv_bn(module: nn.Module) -> None:
-    """Kaiming-normal (fan_out, ReLU) for convolutions, BN weight 1 / bias 0; linear layers untouched."""
-    for m in module.modules():
-        if isinstance(m, nn.Conv2d):
-            nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
-        elif isinstance(m, nn.BatchNorm2d):
-            nn.init.ones_(m.weight)
-            nn.init.zeros_(m.bias)
 
 
 def _pool_flatten() -> nn.Sequential:
@@ -233,7 +224,7 @@ class FDResNetClient(SplitClassifier):
         self.body = nn.Sequential(layers, _pool_flatten())
         self.feature_dim = ch
         self.classifier = nn.Linear(ch, self.num_classes)
-        _init_conv_bn(self)
+        init_conv_bn(self)
 
 
 class FDResNetServer(ClassifierModel):
@@ -254,7 +245,7 @@ class FDResNetServer(ClassifierModel):
         self.pool = _pool_flatten()
         self.feature_dim = ch
         self.classifier = nn.Linear(ch, self.num_classes)
-        _init_conv_bn(self)
+        init_conv_bn(self)
 
     def feature_map(self, h: torch.Tensor) -> torch.Tensor:
         """Output of the last stage before pooling, shape ``(batch, 256, h', w')``."""
@@ -320,27 +311,6 @@ class FDMLPClient(SplitClassifier):
         self.classifier = nn.Linear(width, self.num_classes)
 
 
-class FDMLPServer(ClassifierModel):
-    """Fully connected server (A^S_1): flatten → Linear(n, 35) → ReLU → Linear(35, 38) → ReLU →
-    ``Linear(38, num_classes)`` with ``n = prod(input_shape)`` (13 for the clients' features)."""
-
-    def __init__(self, input_shape: Sequence[int], num_classes: int, hidden: Sequence[int] = (35, 38)) -> None:
-        super().__init__(_flat_shape(input_shape), num_classes)
-        widths = check_positive_ints("fd_server_mlp", "hidden", hidden)
-        in_dim = math.prod(self.input_shape)
-        layers: list[nn.Module] = [nn.Flatten(1)]
-        for width in widths:
-            layers += [nn.Linear(in_dim, width), nn.ReLU()]
-            in_dim = width
-        self.features = nn.Sequential(*layers)
-        self.hidden = widths
-        self.feature_dim = in_dim
-        self.classifier = nn.Linear(in_dim, self.num_classes)
-
-    def extract(self, h: torch.Tensor) -> torch.Tensor:
-        return self.features(h)
-
-
 @MODELS.register("fd_mlp16")
 def fd_mlp16(input_shape: Sequence[int], num_classes: int) -> FDMLPClient:
     """FedICT A^C_6: Linear(d,13)+ReLU extractor; Linear(13,16)+ReLU+Linear(16,C) predictor (13d+322 for C=5)."""
@@ -360,6 +330,9 @@ def fd_mlp64(input_shape: Sequence[int], num_classes: int) -> FDMLPClient:
 
 
 @MODELS.register("fd_server_mlp")
-def fd_server_mlp(input_shape: Sequence[int], num_classes: int) -> FDMLPServer:
-    """FedICT A^S_1 on 13 features: Linear(13,35)+ReLU+Linear(35,38)+ReLU+Linear(38,C) (2,053 params for C=5)."""
-    return FDMLPServer(input_shape, num_classes)
+def fd_server_mlp(input_shape: Sequence[int], num_classes: int) -> MLP:
+    """FedICT A^S_1 on 13 features: Linear(13,35)+ReLU+Linear(35,38)+ReLU+Linear(38,C) (2,053 params for C=5).
+
+    The zoo's :class:`~fedistill.models.mlp.MLP`, which flattens its input, so ``(B, 13)`` and ``(B, 13, 1, 1)``
+    features give the same logits."""
+    return MLP(_flat_shape(input_shape), num_classes, hidden=(35, 38))
