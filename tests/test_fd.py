@@ -321,7 +321,8 @@ def test_round_one_client_loss_is_plain_cross_entropy(digits):
 
 @pytest.mark.parametrize(
     "algorithm, params",
-    [("fedgkt", {}), ("feddkc", {}), ("feddkc", {"refinement": "skr"}), ("fedict", {"variant": "sim"}), ("fedict", {"variant": "balance"})],
+    # SKR and FedICT(sim) differ from these only in the server term, tested against the cards' equations above
+    [("fedgkt", {}), ("feddkc", {}), ("fedict", {"variant": "balance"})],
 )
 def test_heterogeneous_clients_learn_and_report_personal_accuracy(digits, algorithm, params):
     # The paper's client lr (1e-2); two epochs a round so that 300-sample clients take a few dozen steps.

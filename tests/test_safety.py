@@ -310,13 +310,13 @@ def _nan_evaluation(monkeypatch, after_round: int):
     real = simulation.evaluate
     calls = {"n": 0}
 
-    def evaluate(model, batches, precision):
+    def evaluate(model, batches, precision, **options):
         calls["n"] += 1
         if calls["n"] < after_round:
-            return real(model, batches, precision)
+            return real(model, batches, precision, **options)
         handle = model.register_forward_hook(lambda module, inputs, output: output * float("nan"))
         try:
-            return real(model, batches, precision)
+            return real(model, batches, precision, **options)
         finally:
             handle.remove()
 
