@@ -13,7 +13,7 @@ from rich.table import Table
 
 from .config import Config
 from .errors import ConfigError, TrainingDiverged
-from .report.plots import plot_accuracy, plot_class_distributions, plot_partition, plot_personal_accuracy
+from .report.plots import accuracy_label, plot_accuracy, plot_class_distributions, plot_partition, plot_personal_accuracy
 from .report.rundir import RunDirectory, read_run
 
 
@@ -150,7 +150,9 @@ def run_experiment(
     run_dir.write_summary(summary)
     key = "personal_accuracy" if cfg.accuracy_metric() == "personal" else "test_accuracy"
     curve = [(r["round"], r[key]) for r in history if r.get(key) is not None]
-    plot_accuracy({cfg.algorithm.display_name(): curve}, run_dir.path / "accuracy.png", cfg.eval.target_accuracy)
+    plot_accuracy(
+        {cfg.algorithm.display_name(): curve}, run_dir.path / "accuracy.png", cfg.eval.target_accuracy, ylabel=accuracy_label(key)
+    )
     plot_personal_accuracy(history, run_dir.path / "personal_accuracy.png", cfg.algorithm.display_name())
     plot_class_distributions({cfg.algorithm.display_name(): history}, run_dir.path / "class_distributions.png")
     print_summary(console, {run_dir.path.name: summary})
@@ -205,6 +207,7 @@ def compare_runs(paths: list[str], out: Path | None = None, target: float | None
     summaries: dict[str, dict[str, Any]] = {}
     curves: dict[str, list[tuple[int, float]]] = {}
     histories: dict[str, list[dict[str, Any]]] = {}
+    metrics: set[str] = set()
     for p in paths:
         path = Path(p)
         config, rows, summary = read_run(path)
@@ -213,13 +216,14 @@ def compare_runs(paths: list[str], out: Path | None = None, target: float | None
         if name in summaries:
             name = str(path)
         metric = saved_accuracy_metric(config)
+        metrics.add(metric)
         key = "personal_accuracy" if metric == "personal" else "test_accuracy"
         summaries[name] = summarise(rows, goal, metric)  # recomputed so that a common --target applies to all
         curves[name] = [(r["round"], r[key]) for r in rows if r.get(key) is not None]
         histories[name] = rows
     print_summary(console, summaries)
     out = out or Path("compare.png")
-    plot_accuracy(curves, out, target)
+    plot_accuracy(curves, out, target, ylabel=accuracy_label("personal_accuracy" if metrics == {"personal"} else "test_accuracy"))
     console.print(f"curves: {out}")
     distributions = out.with_name(f"{out.stem}_class_distributions{out.suffix or '.png'}")
     if plot_class_distributions(histories, distributions):

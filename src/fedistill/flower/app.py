@@ -248,7 +248,7 @@ def run_server(grid: Grid, cfg: Config, settings: FlowerSettings) -> dict[str, A
     """
     from ..engine.simulation import ServerRuntime, apply_process_settings, build_federation, round_info, summarise
     from ..models.flat import num_flat
-    from ..report.plots import plot_accuracy, plot_class_distributions, plot_partition, plot_personal_accuracy
+    from ..report.plots import accuracy_label, plot_accuracy, plot_class_distributions, plot_partition, plot_personal_accuracy
     from ..report.rundir import RunDirectory
     from ..runner import load_dataset_for
 
@@ -388,7 +388,9 @@ def run_server(grid: Grid, cfg: Config, settings: FlowerSettings) -> dict[str, A
     summary = finish("finished")
     history = runtime.state.history
     curve = [(r["round"], r[accuracy_key]) for r in history if r.get(accuracy_key) is not None]
-    plot_accuracy({cfg.algorithm.display_name(): curve}, run_dir.path / "accuracy.png", cfg.eval.target_accuracy)
+    plot_accuracy(
+        {cfg.algorithm.display_name(): curve}, run_dir.path / "accuracy.png", cfg.eval.target_accuracy, ylabel=accuracy_label(accuracy_key)
+    )
     plot_personal_accuracy(history, run_dir.path / "personal_accuracy.png", cfg.algorithm.display_name())
     plot_class_distributions({cfg.algorithm.display_name(): history}, run_dir.path / "class_distributions.png")
     _say(f"finished: final {accuracy_name} {summary['final_accuracy']}, run directory {run_dir.path}")

@@ -17,8 +17,29 @@ def _pyplot():
     return plt
 
 
-def plot_accuracy(curves: dict[str, Sequence[tuple[int, float]]], path: Path, target: float | None = None) -> None:
-    """One line per run: test accuracy (%) against round."""
+def accuracy_label(key: str) -> str:
+    """The y-axis label of an accuracy curve read from the metric rows under ``key``."""
+    return "personalised accuracy (%)" if key == "personal_accuracy" else "test accuracy (%)"
+
+
+def _save_per_round(plt, fig, ax, path: Path, ylabel: str) -> None:
+    """The common ending of the per-round plots: axes labels, grid, legend, file."""
+    ax.set_xlabel("round")
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def plot_accuracy(
+    curves: dict[str, Sequence[tuple[int, float]]],
+    path: Path,
+    target: float | None = None,
+    ylabel: str = "test accuracy (%)",
+) -> None:
+    """One line per run: accuracy (%) against round (the global model's, or the personalised mean)."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=120)
     for label, points in curves.items():
@@ -27,13 +48,7 @@ def plot_accuracy(curves: dict[str, Sequence[tuple[int, float]]], path: Path, ta
             ax.plot(rounds, acc, label=label, linewidth=1.5)
     if target is not None:
         ax.axhline(target, color="grey", linestyle="--", linewidth=1, label=f"target {target:g}%")
-    ax.set_xlabel("round")
-    ax.set_ylabel("test accuracy (%)")
-    ax.grid(alpha=0.3)
-    ax.legend(loc="lower right", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    _save_per_round(plt, fig, ax, path, ylabel)
 
 
 def plot_personal_accuracy(history: Sequence[dict], path: Path, label: str = "") -> bool:
@@ -51,13 +66,7 @@ def plot_personal_accuracy(history: Sequence[dict], path: Path, label: str = "")
     ax.fill_between(rounds, [r["personal_q1"] for r in rows], [r["personal_q3"] for r in rows], alpha=0.3, label="quartiles")
     ax.plot(rounds, [r["personal_median"] for r in rows], linewidth=1, linestyle=":", label="median")
     ax.plot(rounds, [r["personal_accuracy"] for r in rows], linewidth=1.5, label=f"{label} mean over clients".strip())
-    ax.set_xlabel("round")
-    ax.set_ylabel("personalised accuracy (%)")
-    ax.grid(alpha=0.3)
-    ax.legend(loc="lower right", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    _save_per_round(plt, fig, ax, path, "personalised accuracy (%)")
     return True
 
 
