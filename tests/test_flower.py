@@ -192,7 +192,9 @@ class FakeGrid:
             rnd = int(m.metadata.group_id or 0)
             if node in self.silent or (node in self.silent_from_round and rnd >= self.silent_from_round[node]):
                 continue
-            handler = flower_app.client_hello if m.metadata.message_type == flower_app.HELLO else flower_app.client_train
+            handler = {flower_app.HELLO: flower_app.client_hello, flower_app.EVALUATE: flower_app.client_evaluate}.get(
+                m.metadata.message_type, flower_app.client_train
+            )
             if self.wire:
                 context = self.contexts[node]
                 context.state = over_the_wire(context.state)
@@ -652,3 +654,70 @@ def test_fake_grid_federated_distillation_equals_the_simulation(tmp_path, keep_t
         sim_state = sim.server_runtime.client_store.load(cid)
         assert state.keys() == sim_state.keys() and state["setup_sent"] is True
         assert torch.equal(state["model"], sim_state["model"]) and torch.equal(state["momentum"], sim_state["momentum"])
+
+# ================================== personalised models assembled on the clients: Flower's evaluate phase
+@pytest.mark.parametrize(
+    "algorithm, model",
+    [({"name": "mtfl"}, "resnet8")],  # BatchNorm patches in context.state
+    ids=["mtfl"],
+)
+def test_fake_grid_assembled_personal_models_equal_the_simulation(tmp_path, keep_threads, task_identity, algorithm, model):
+    """After each round's aggregation the server sends every client an evaluate message; the client assembles
+    its personalised model from it and its context.state and answers with counts, over Flower's transport:
+    the personalised accuracies, bytes and the clients' states equal the simulation's."""
+    cfg = flower_config(rounds=2, algorithm=algorithm, **{"partition.per_client_test": True, "model.name": model})
+    sim = Simulation(cfg, load_dataset_for(cfg))
+    sim_history = sim.run()
+    run = tmp_path / "run"
+    grid = FakeGrid(cfg, nodes_for(3), wire=True)
+    summary = flower_app.run_server(grid, cfg, FlowerSettings(run_dir=str(run), round_timeout=5))
+    assert summary["status"] == "finished"
+    rows = read_rows(run)
+    keys = ("clients", "train_loss", "bytes_down", "bytes_up", "test_accuracy", "personal_clients", "personal_accuracies")
+    assert [{k: r[k] for k in keys} for r in rows] == [{k: r[k] for k in keys} for r in sim_history]
+    assert rows[-1]["personal_clients"] == [0, 1, 2]
+    assert torch.equal(checkpoint_flat(cfg, run), get_flat(sim.server.model))
+    for cid in range(3):
+        state = load_client_state(grid.contexts[1000 + cid].state, cid)
+        sim_state = sim.server_runtime.client_store.load(cid)
+        assert state.keys() == sim_state.keys()
+        for key in state:
+            assert torch.equal(state[key], sim_state[key]), key
+
+
+def test_sites_with_their_own_files_measure_the_global_models_personal_accuracy_themselves(tmp_path, keep_threads, task_identity):
+    """A site's test split is its own test file, which the server never saw: FedAvg's personalised accuracy
+    (the global model on each client's test split) is measured by the clients in the evaluate phase."""
+    from test_datasets import make_mnist_dir
+
+    from fedistill.engine.simulation import ClientRuntime
+
+    make_mnist_dir(tmp_path / "server" / "mnist", n_train=30, n_test=10, seed=1)
+    nodes = {}
+    for cid in range(3):
+        make_mnist_dir(tmp_path / f"site{cid}" / "mnist", n_train=12, n_test=6 + 3 * cid, seed=10 + cid)
+        nodes[1000 + cid] = {"partition-id": cid, "num-partitions": 3, "data-dir": str(tmp_path / f"site{cid}")}
+    cfg = build_config(
+        {
+            "rounds": 2, "clients_per_round": 3,
+            "dataset": {"name": "mnist", "verify": False, "augment": [], "data_dir": str(tmp_path / "server"), "download": False},
+            "partition": {"scheme": "iid", "num_clients": 3, "per_client_test": True},
+            "local": {"epochs": 1, "batch_size": 4, "lr": 0.05}, "run": {"threads": 1, "progress": False},
+        }
+    )  # fmt: skip
+    run = tmp_path / "run"
+    summary = flower_app.run_server(FakeGrid(cfg, nodes), cfg, FlowerSettings(run_dir=str(run), round_timeout=5))
+    assert summary["status"] == "finished"
+    row = read_rows(run)[-1]
+    global_model = checkpoint_flat(cfg, run)
+    expected = []
+    for cid in range(3):  # written out: the final global model on each site's own test file
+        site = load_dataset_for(cfg, data_dir=str(tmp_path / f"site{cid}"), download=False)
+        runtime = ClientRuntime(cfg, site, {cid: torch.arange(12)}, {cid: torch.arange(len(site.test_y))})
+        ctx = runtime.context(cid, 2, {})
+        from fedistill.models.flat import set_flat
+
+        set_flat(ctx.model, global_model)
+        expected.append(100.0 * float(runtime.personal_correct(ctx).double().mean()))
+    assert row["personal_clients"] == [0, 1, 2]
+    assert row["personal_accuracies"] == pytest.approx(expected, abs=1e-9)

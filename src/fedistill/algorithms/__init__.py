@@ -18,5 +18,6 @@ from . import (  # noqa: F401
     fedprox,
     fedrs,
     moon,
+    mtfl,
     scaffold,
 )

@@ -17,6 +17,8 @@ from typing import Any, ClassVar
 import torch
 from pydantic import BaseModel, ConfigDict
 
+from ..models.flat import set_flat
+
 Scalar = int | float | bool | str
 
 # Bytes charged for a plain scalar on the wire: ints and floats travel as 64-bit values.
@@ -159,6 +161,9 @@ class Algorithm:
     exchange: ClassVar[str] = "weights"
     # The model whose accuracy on client k's test split is client k's personalised accuracy: "global" (the
     # aggregated model, fmtl-baselines.md §1) or "local" (the model the client holds after its update).
+    # "assembled": the client builds it after aggregation from what the server sends it next (the new shared
+    # weights, its group's model) and its own state (MTFL's private BatchNorm patch, DemLearn's own weights);
+    # the engine then asks the client to evaluate it (an evaluation exchange, not counted as communication).
     personal_model: ClassVar[str] = "global"
 
     def __init__(self, params: AlgorithmParams, local: Any) -> None:
@@ -177,3 +182,17 @@ class Algorithm:
     def aggregate(self, server: ServerContext, info: RoundInfo, replies: Mapping[int, Message]) -> dict[str, float]:
         """Update the global model from the replies (given in client-id order); return metrics."""
         raise NotImplementedError
+
+    # -- personalised evaluation of "assembled" models ---------------------------------------------------------
+    def personal_message(self, server: ServerContext, info: RoundInfo, cid: int) -> Message:
+        """What client ``cid`` needs after round ``info.round``'s aggregation to assemble its personalised model:
+        by default the broadcast it would get at the start of the next round."""
+        return self.broadcast(server, RoundInfo(info.round + 1, info.lr), cid)
+
+    def assemble_personal_model(self, client: ClientContext, msg: Message) -> None:
+        """Load client ``client.cid``'s personalised model into ``client.model`` from ``msg`` (from
+        :meth:`personal_message`) and ``client.state``, which it must not change (personal_model "assembled").
+        By default the broadcast weights themselves: the global model, as a client would evaluate it."""
+        if "weights" not in msg:
+            raise NotImplementedError(f"{self.name} sends no weights and does not assemble a personalised model")
+        set_flat(client.model, msg["weights"])

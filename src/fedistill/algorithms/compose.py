@@ -48,7 +48,11 @@ from .fedavg import FedAvg, FedAvgParams
 from .local import ExtraLoss, LocalResult
 
 # Hooks that only one part may define: they replace, rather than add to, FedAvg's behaviour.
-EXCLUSIVE_HOOKS = {"combine": "aggregation rule", "server_optimizer": "server optimiser"}
+EXCLUSIVE_HOOKS = {"combine": "aggregation rule", "server_optimizer": "server optimiser", "private_mask": "private-parameter mask"}
+# Hooks that read or build whole-model vectors (the broadcast weights, control variates over every parameter,
+# corrections of the combined vector): next to a private-parameter mask (MTFL), whose messages and server
+# vectors hold the shared entries only, their vectors would not line up.
+WHOLE_VECTOR_HOOKS = ("broadcast_extras", "reply_extras", "adjust_combined", "after_aggregate", "refine")
 # FedAvg's parameters that every part has and that must hold one value for the whole combination.
 SHARED_SETTINGS = tuple(FedAvgParams.model_fields)
 
@@ -117,6 +121,16 @@ class Composite(FedAvg):
                     "combine at most one of them with the others"
                 )
             self.owners[hook] = defining[0] if defining else parts[0]
+        if _defines(self.owners["private_mask"], "private_mask"):
+            masker = self.owners["private_mask"]
+            for part in parts:
+                clash = [h for h in WHOLE_VECTOR_HOOKS if _defines(part, h)]
+                if part is not masker and clash:
+                    raise ConfigError(
+                        f"algorithm.plus: {part.name} cannot be combined with {masker.name}: its {', '.join(clash)} "
+                        f"work on whole-model vectors, and {masker.name} keeps some entries on the clients (only the "
+                        "shared ones travel and are aggregated); combine it with loss terms or a server optimiser only"
+                    )
         plain_sgd = [p for p in parts if p.assumes_plain_sgd]
         proximal = [p for p in parts if p.adds_proximal_term]
         if plain_sgd and proximal:
@@ -135,6 +149,8 @@ class Composite(FedAvg):
         self.name = "+".join(names)
         self.needs_features = any(p.needs_features for p in parts)
         self.adds_proximal_term = bool(proximal)
+        # A part whose personalised model is not the global one (MTFL's assembled (θ, P_k)) decides it.
+        self.personal_model = next((p.personal_model for p in parts if p.personal_model != "global"), "global")
         self.assumes_plain_sgd = bool(plain_sgd)
 
     # -- server ---------------------------------------------------------------------------------
@@ -147,6 +163,9 @@ class Composite(FedAvg):
 
     def combine(self, global_vec: torch.Tensor, replies: list[Message]) -> torch.Tensor:
         return self.owners["combine"].combine(global_vec, replies)
+
+    def private_mask(self, model: torch.nn.Module) -> torch.Tensor | None:
+        return self.owners["private_mask"].private_mask(model)
 
     def adjust_combined(
         self, server: ServerContext, global_vec: torch.Tensor, combined: torch.Tensor, replies: list[Message]

@@ -20,11 +20,15 @@ from typing import Any, Callable, Literal, Mapping
 import torch
 from pydantic import Field
 
-from ..models.flat import get_flat, set_flat, trainable_mask
+from ..models.flat import get_flat, num_flat, set_flat, trainable_mask
 from ..registry import ALGORITHMS
 from .aggregate import ServerMomentum, ServerOptimizer, aggregation_weights, weighted_mean
 from .base import Algorithm, AlgorithmParams, ClientContext, Message, RoundInfo, ServerContext
 from .local import ExtraLoss, LocalResult, local_sgd
+
+
+# Client-state key of the entries a private mask keeps on the client (FedAvg.private_mask).
+PRIVATE_WEIGHTS = "private_weights"
 
 
 class FedAvgParams(AlgorithmParams):
@@ -73,20 +77,73 @@ class FedAvg(Algorithm):
         """Server-state updates once the new global model is set (SCAFFOLD's c, FedCurv's stored stats)."""
         return {}
 
+    def private_mask(self, model: torch.nn.Module) -> torch.Tensor | None:
+        """True for the entries of the flat vector that never leave the client (MTFL's BatchNorm patches).
+
+        None (FedAvg): everything is shared. With a mask, the broadcast and the replies carry the shared entries
+        only, the server aggregates in that subspace, and each client keeps its private entries in its state
+        (:data:`PRIVATE_WEIGHTS`), starting from the initial model's values.
+        """
+        return None
+
+    def _private(self, model: torch.nn.Module) -> torch.Tensor | None:
+        """:meth:`private_mask` of this architecture, computed once; None when nothing is private."""
+        cached = getattr(self, "_private_cache", None)
+        size = num_flat(model)
+        if cached is None or cached[0] != size:
+            mask = self.private_mask(model)
+            self._private_cache = cached = (size, mask if mask is not None and bool(mask.any()) else None)
+        return cached[1]
+
+    def load_weights(self, client: ClientContext, shared: torch.Tensor) -> None:
+        """Put the received weights into ``client.model``, with the client's own private entries where a
+        private mask says so (the initial model's values until the client has trained once)."""
+        mask = self._private(client.model)
+        if mask is None:
+            set_flat(client.model, shared)
+            return
+        full = torch.empty(mask.numel(), dtype=torch.float32)
+        full[~mask] = shared
+        private = client.state.get(PRIVATE_WEIGHTS)
+        full[mask] = private if private is not None else client.initial_weights[mask]
+        set_flat(client.model, full)
+
+    def upload_weights(self, client: ClientContext) -> torch.Tensor:
+        """The trained ``client.model`` as a reply vector: its shared entries; private ones go to the client state."""
+        flat = get_flat(client.model)
+        mask = self._private(client.model)
+        if mask is None:
+            return flat
+        client.state[PRIVATE_WEIGHTS] = flat[mask].clone()
+        return flat[~mask]
+
+    def assemble_personal_model(self, client: ClientContext, msg: Message) -> None:
+        """The global model, with the client's private entries where there are any (MTFL: (θ_{t+1}, P_k))."""
+        self.load_weights(client, msg["weights"])
+
     # -- server ---------------------------------------------------------------------------------
     def broadcast(self, server: ServerContext, info: RoundInfo, cid: int) -> Message:
         # The global model does not change within a round: flatten it once, send the same vector.
         if getattr(self, "_broadcast_round", None) != info.round:
-            self._broadcast_round, self._broadcast_vec = info.round, get_flat(server.model)
+            vec, private = get_flat(server.model), self._private(server.model)
+            self._broadcast_round, self._broadcast_vec = info.round, vec if private is None else vec[~private]
         return Message(weights=self._broadcast_vec, **self.broadcast_extras(server, info, cid))
 
     def aggregate(self, server: ServerContext, info: RoundInfo, replies: Mapping[int, Message]) -> dict[str, float]:
         cids = sorted(replies)
         ordered = [replies[c] for c in cids]
-        global_vec = get_flat(server.model)
+        full = get_flat(server.model)
+        private = self._private(server.model)
+        # With private entries the whole server side works in the shared subspace; the private entries of the
+        # server's model stay as they were (the initial values): no client's patch ever reaches it.
+        global_vec = full if private is None else full[~private]
         combined = self.adjust_combined(server, global_vec, self.combine(global_vec, ordered), ordered)
         new_global = self.server_optimizer(server).step(server.state, global_vec, combined)
-        set_flat(server.model, self._average_statistics(server, new_global, ordered))
+        new_global = self._average_statistics(server, new_global, ordered)
+        if private is not None:
+            full[~private] = new_global
+            new_global = full
+        set_flat(server.model, new_global)
         self._broadcast_round = None
         # A server refiner (FedFTG) changes the new global model before the base method's server state is
         # updated, so that state refers to the model actually broadcast (spec/fedftg.md ambiguity 13).
@@ -99,8 +156,10 @@ class FedAvg(Algorithm):
         """``new_global`` with its non-trainable entries replaced by the plain weighted mean of the replies."""
         trainable = getattr(self, "_trainable", None)
         if trainable is None or trainable.numel() != new_global.numel():
-            # Computed once: the mask depends on the model's architecture only.
-            trainable = self._trainable = trainable_mask(server.model)
+            # Computed once: the mask depends on the model's architecture only (restricted to the shared entries).
+            trainable = trainable_mask(server.model)
+            private = self._private(server.model)
+            trainable = self._trainable = trainable if private is None else trainable[~private]
             self._all_trainable = bool(trainable.all())
         if self._all_trainable:
             return new_global  # no buffers (MNIST CNN, MLP): nothing to do, the vector is unchanged
@@ -119,7 +178,7 @@ class FedAvg(Algorithm):
         return None
 
     def local_update(self, client: ClientContext, info: RoundInfo, msg: Message) -> Message:
-        set_flat(client.model, msg["weights"])
+        self.load_weights(client, msg["weights"])
         result = local_sgd(
             client,
             lr=info.lr,
@@ -134,7 +193,7 @@ class FedAvg(Algorithm):
             grad_clip=self.params.grad_clip,
         )
         return Message(
-            weights=get_flat(client.model),
+            weights=self.upload_weights(client),
             num_samples=client.num_samples,
             train_loss=result.mean_loss,
             **self.reply_extras(client, info, msg, result),

@@ -34,6 +34,10 @@ class SequentialExecutor:
             results.append((self.client_runtime.update(cid, info, msg, state), state))
         return results
 
+    def evaluate(self, tasks: Sequence[Task]) -> list[Message]:
+        """Each client's assembled personalised model on its test split (the states are read, not changed)."""
+        return [self.client_runtime.evaluate_assembled(cid, info, msg, state) for cid, info, msg, state in tasks]
+
     def close(self) -> None:
         pass
 
@@ -58,6 +62,10 @@ def _init_worker(config: dict[str, Any], dataset: Any, train_indices: Mapping[in
 def _run_task(cid: int, info: RoundInfo, msg: dict[str, Any], state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     reply = _WORKER_RUNTIME.update(cid, info, Message(msg), state)
     return dict(reply), state
+
+
+def _evaluate_task(cid: int, info: RoundInfo, msg: dict[str, Any], state: dict[str, Any]) -> dict[str, Any]:
+    return dict(_WORKER_RUNTIME.evaluate_assembled(cid, info, Message(msg), state))
 
 
 class ProcessPoolExecutor:
@@ -89,6 +97,10 @@ class ProcessPoolExecutor:
             reply, state = futures[i].result()
             out.append((Message(reply), state))
         return out
+
+    def evaluate(self, tasks: Sequence[Task]) -> list[Message]:
+        futures = [self._pool.submit(_evaluate_task, cid, info, dict(msg), state) for cid, info, msg, state in tasks]
+        return [Message(f.result()) for f in futures]
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)

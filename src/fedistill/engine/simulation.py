@@ -143,6 +143,10 @@ def kl_from_uniform(counts: torch.Tensor) -> float:
     return float(np.log(p.numel()) + (nonzero * nonzero.log()).sum())
 
 
+# {client id: personal_message} -> {client id: evaluation reply} (ServerRuntime.evaluate_assembled)
+ClientEvaluator = Callable[[RoundInfo, dict[int, Message]], dict[int, Message]]
+
+
 class ServerRuntime:
     """The server half of a round: sampling, broadcast, aggregation, evaluation, metrics, checkpoints.
 
@@ -158,9 +162,16 @@ class ServerRuntime:
         run_dir: Path | None = None,
         client_num_samples: tuple[int, ...] | None = None,
         client_test_indices: list[torch.Tensor] | None = None,
+        client_evaluator: ClientEvaluator | None = None,
     ) -> None:
         self.cfg = cfg
         self.run_dir = run_dir
+        # How the server asks clients to evaluate an "assembled" personalised model (the simulation's executor,
+        # or Flower evaluate messages): {cid: personal_message} -> {cid: reply with eval.correct/eval.count}.
+        self.client_evaluator = client_evaluator
+        # Measure even the global model's personalised accuracy on the clients (Flower sites with their own
+        # files, whose test splits the server does not have); the simulation reads it off the server's predictions.
+        self.personal_on_clients = False
         self.num_clients = num_clients
         self.device = torch.device(cfg.run.device)
         self.algorithm = make_algorithm(cfg)
@@ -288,6 +299,21 @@ class ServerRuntime:
         head = (100.0 * result.accuracy, result.loss, result.predictions)
         return (*head, result.correct) if per_sample else head
 
+    def evaluate_assembled(self, info: RoundInfo, cids: list[int]) -> dict[str, Any]:
+        """Personal metrics of models the clients assemble after aggregation (personal_model "assembled").
+
+        Each client of the round gets the algorithm's ``personal_message`` (what it would receive next: the new
+        shared weights, its group's model), builds its personalised model from it and its own state, and
+        reports how many of its test samples that model gets right. As a deployment's evaluate phase, these
+        messages are not the algorithm's communication: they are not counted in ``bytes_down``.
+        """
+        if self.client_evaluator is None:
+            raise RuntimeError(f"{self.algorithm.name}: personalised models are assembled on the clients, but no client evaluator was given")
+        messages = {cid: self.algorithm.personal_message(self.server, info, cid) for cid in cids}
+        reports = self.client_evaluator(info, messages)
+        reports = {cid: r for cid, r in reports.items() if int(r.get(f"{EVAL_PREFIX}count", 0)) > 0}
+        return personal_metrics_from_counts(reports) if reports else {}
+
     def _diverged(self, rnd: int, info: RoundInfo, what: str) -> None:
         """Stop the run: the round is not recorded and the last good checkpoint stays."""
         last = self.state.round
@@ -341,12 +367,17 @@ class ServerRuntime:
                 self._diverged(rnd, info, f"its test loss is {row['test_loss']} (non-finite logits)")
             row["prediction_counts"] = [int(v) for v in predictions]
             row["prediction_kl_uniform"] = kl_from_uniform(predictions)
-            if self.algorithm.personal_model == "global" and self.client_test_indices is not None:
+            if self.algorithm.personal_model == "global" and self.client_test_indices is not None and not self.personal_on_clients:
                 row.update(personal_metrics({k: correct[ix] for k, ix in enumerate(self.client_test_indices)}))
         if self.algorithm.personal_model == "local":
             reports = {cid: r for cid, r in replies.items() if f"{EVAL_PREFIX}count" in r}
             if reports:
                 row.update(personal_metrics_from_counts(reports))
+        on_clients = self.algorithm.personal_model == "assembled" or (
+            self.algorithm.personal_model == "global" and self.personal_on_clients and not self.knowledge_exchange
+        )
+        if on_clients and evaluate_now and self.cfg.partition.per_client_test:
+            row.update(self.evaluate_assembled(info, list(replies)))
         row["bytes_weight_exchange"] = sum(self.weight_exchange_bytes[self.architectures[cid]] for cid in replies)
         if train_label_counts is not None:
             row["train_label_counts"] = [int(v) for v in train_label_counts]
@@ -436,6 +467,16 @@ class ClientRuntime:
             reply = Message(reply, **{f"{EVAL_PREFIX}correct": int(correct.sum()), f"{EVAL_PREFIX}count": int(correct.numel())})
         return reply
 
+    def evaluate_assembled(self, cid: int, info: RoundInfo, msg: Message, state: dict[str, Any]) -> Message:
+        """Client ``cid``'s personalised model assembled from ``msg`` and its (unchanged) state, on its own test
+        split: ``eval.correct`` and ``eval.count`` (ServerRuntime.evaluate_assembled)."""
+        ctx = self.context(cid, info.round, state)
+        if ctx.test_indices is None or not ctx.test_indices.numel():
+            return Message(**{f"{EVAL_PREFIX}correct": 0, f"{EVAL_PREFIX}count": 0})
+        self.algorithm.assemble_personal_model(ctx, msg)
+        correct = self.personal_correct(ctx)
+        return Message(**{f"{EVAL_PREFIX}correct": int(correct.sum()), f"{EVAL_PREFIX}count": int(correct.numel())})
+
     def personal_correct(self, ctx: ClientContext) -> torch.Tensor:
         """Whether the worker (holding this client's model) classifies each of the client's test samples right."""
         batches = self.pipeline.test_batches_of(ctx.test_indices, self.cfg.eval.batch_size)
@@ -460,7 +501,13 @@ class Simulation:
         fed = self.federation
         sizes = tuple(int(ix.numel()) for ix in fed.train_indices)  # n_k of the population (FedDyn's α_k)
         self.server_runtime = ServerRuntime(
-            cfg, dataset, fed.num_clients, run_dir, client_num_samples=sizes, client_test_indices=fed.test_indices
+            cfg,
+            dataset,
+            fed.num_clients,
+            run_dir,
+            client_num_samples=sizes,
+            client_test_indices=fed.test_indices,
+            client_evaluator=self._evaluate_on_clients,
         )
         self.client_runtime = ClientRuntime(
             cfg,
@@ -537,6 +584,11 @@ class Simulation:
         bytes_up = sum(reply.nbytes() for reply in replies.values())
         labels = self._class_counts[selected].sum(axis=0).tolist()
         return self.server_runtime.complete_round(info, replies, bytes_down, bytes_up, started, train_label_counts=labels)
+
+    def _evaluate_on_clients(self, info: RoundInfo, messages: dict[int, Message]) -> dict[int, Message]:
+        store = self.server_runtime.client_store
+        tasks = [(cid, info, msg, store.load(cid)) for cid, msg in messages.items()]
+        return dict(zip(messages, self.executor.evaluate(tasks)))
 
     def run(self, resume: bool = False) -> list[dict[str, Any]]:
         """Run (or continue) to ``cfg.rounds``; returns the per-round metric rows."""

@@ -46,6 +46,7 @@ log = logging.getLogger("fedistill.flower")
 
 HELLO = "query.fedistill_hello"
 TRAIN = "train.fedistill"
+EVALUATE = "evaluate.fedistill"
 _INFO = "fedistill.info"
 _CONFIG = "fedistill.config"
 
@@ -73,6 +74,7 @@ class NodeMap:
     config_json: str
     node_of: dict[int, int] = field(default_factory=dict)
     asked: set[int] = field(default_factory=set)
+    own_data: set[int] = field(default_factory=set)  # clients whose SuperNode has its own data-dir (a site)
 
     def live_nodes(self) -> set[int]:
         return set(self.grid.get_node_ids())
@@ -129,6 +131,10 @@ class NodeMap:
         if other is not None and other != node and other in self.live_nodes():
             raise FederationError(f"SuperNodes {other} and {node} both have partition-id={cid}; each client needs its own")
         self.node_of[cid] = node
+        if info.get("data-dir"):
+            self.own_data.add(cid)
+        else:
+            self.own_data.discard(cid)
         where = f"data-dir {info['data-dir']}" if info.get("data-dir") else f"partition {cid}/{count}"
         _say(f"client {cid} is SuperNode {node} ({where})")
 
@@ -322,6 +328,32 @@ def run_server(grid: Grid, cfg: Config, settings: FlowerSettings) -> dict[str, A
     try:
         nodes = NodeMap(grid, num_clients, json.dumps(cfg.to_dict()))
         nodes.discover(settings.discovery_timeout)
+
+        def evaluate_on_clients(info: Any, messages: dict[int, Message]) -> dict[int, Message]:
+            """Flower's evaluate phase for personalised models the clients assemble (MTFL, DemLearn): each
+            client builds its model from the message and its context.state and answers with its counts."""
+            reachable = [cid for cid in messages if cid in nodes.node_of]
+            outgoing = [
+                FlowerMessage(
+                    message_to_records(messages[cid], info, cid),
+                    dst_node_id=nodes.node_of[cid],
+                    message_type=EVALUATE,
+                    group_id=str(info.round),
+                    ttl=settings.round_timeout,
+                )
+                for cid in reachable
+            ]
+            sent = dict(zip(grid.push_messages(outgoing), reachable)) if outgoing else {}
+            arrived, lost = _wait_for_replies(grid, sent, nodes.node_of, settings.round_timeout)
+            if lost or len(reachable) < len(messages):
+                missing = sorted(set(messages) - set(arrived))
+                _say(f"round {info.round}: no personalised evaluation from client(s) {missing}; the metrics cover the others")
+            return {cid: records_to_message(arrived[cid].content) for cid in sorted(arrived)}
+
+        runtime.client_evaluator = evaluate_on_clients
+        # Sites with their own files have test splits the server never saw: the global model's personalised
+        # accuracy must then be measured on the clients too.
+        runtime.personal_on_clients = bool(nodes.own_data)
         missing = sorted(set(range(num_clients)) - set(nodes.node_of))
         if missing:
             _say(f"after {settings.discovery_timeout:g}s no SuperNode holds client(s) {missing}; rounds go on without them")
@@ -333,6 +365,7 @@ def run_server(grid: Grid, cfg: Config, settings: FlowerSettings) -> dict[str, A
             unmapped = {c for c in selected if nodes.node_of.get(c) not in live}
             if unmapped:  # a SuperNode restarted (new node id) or joined late: ask the new ones, briefly
                 nodes.discover(min(10.0, settings.round_timeout), need=unmapped)
+                runtime.personal_on_clients = bool(nodes.own_data)
             messages: dict[int, Message] = {cid: runtime.broadcast(info, cid) for cid in selected}
             reachable = [cid for cid in selected if cid in nodes.node_of]
             failed: dict[int, str] = {cid: "no SuperNode holds this client" for cid in selected if cid not in nodes.node_of}
@@ -529,18 +562,32 @@ def client_hello(msg: FlowerMessage, context: Context) -> FlowerMessage:
     return FlowerMessage(RecordDict({_INFO: ConfigRecord(info)}), reply_to=msg)
 
 
-@client_app.train("fedistill")
-def client_train(msg: FlowerMessage, context: Context) -> FlowerMessage:
-    """One ``local_update`` of this node's client with its persistent state from ``context.state``."""
+def _client_of(msg: FlowerMessage, context: Context, what: str) -> tuple[Any, Any, int, dict[str, Any]]:
+    """(ClientRuntime, RoundInfo, client id, client state) for a server message to this node."""
     if _CONFIG not in context.state.config_records:
-        raise RuntimeError("fedistill: a train message arrived before the discovery query (no configuration)")
+        raise RuntimeError(f"fedistill: a {what} message arrived before the discovery query (no configuration)")
     info, cid = records_to_round(msg.content)
     node_config = dict(context.node_config)
     pid, _, _ = _node_identity(node_config)
     if cid != pid:
         raise RuntimeError(f"fedistill: message for client {cid} reached the SuperNode of client {pid}")
     runtime = _client_runtime(str(context.state.config_records[_CONFIG]["json"]), node_config)
-    state = load_client_state(context.state, cid)
+    return runtime, info, cid, load_client_state(context.state, cid)
+
+
+@client_app.train("fedistill")
+def client_train(msg: FlowerMessage, context: Context) -> FlowerMessage:
+    """One ``local_update`` of this node's client with its persistent state from ``context.state``."""
+    runtime, info, cid, state = _client_of(msg, context, "train")
     reply = runtime.update(cid, info, records_to_message(msg.content), state)
     save_client_state(context.state, cid, state)
+    return FlowerMessage(message_to_records(reply), reply_to=msg)
+
+
+@client_app.evaluate("fedistill")
+def client_evaluate(msg: FlowerMessage, context: Context) -> FlowerMessage:
+    """The client's personalised model assembled from the message and its state, on its own test split; the
+    state is read, not written."""
+    runtime, info, cid, state = _client_of(msg, context, "evaluate")
+    reply = runtime.evaluate_assembled(cid, info, records_to_message(msg.content), state)
     return FlowerMessage(message_to_records(reply), reply_to=msg)

@@ -47,6 +47,20 @@ def trainable_mask(model: nn.Module) -> torch.Tensor:
     return torch.cat([torch.full((t.numel(),), id(t) in params, dtype=torch.bool) for t in float_state(model)])
 
 
+def batchnorm_mask(model: nn.Module, statistics: bool = False) -> torch.Tensor:
+    """True for the entries of the flat vector that are BatchNorm affine parameters (γ, β), and with
+    ``statistics`` also their running mean and variance."""
+    names = ("weight", "bias", "running_mean", "running_var") if statistics else ("weight", "bias")
+    chosen = {
+        id(t)
+        for m in model.modules()
+        if isinstance(m, nn.modules.batchnorm._NormBase)
+        for t in (getattr(m, n, None) for n in names)
+        if t is not None
+    }
+    return torch.cat([torch.full((t.numel(),), id(t) in chosen, dtype=torch.bool) for t in float_state(model)])
+
+
 def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
     return [p for p in model.parameters() if p.requires_grad]
 
