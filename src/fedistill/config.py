@@ -407,10 +407,11 @@ def validate_names(cfg: Config) -> None:
     algorithm_params(algo_cls, cfg)
     for name, params in cfg.algorithm.plus.items():
         part_params(ALGORITHMS.get(name, key=f"algorithm.plus.{name}"), name, params)
-    if cfg.algorithm.plus:
-        from .algorithms.build import make_algorithm
+    from .algorithms.build import make_algorithm
 
-        make_algorithm(cfg)  # refuses parts that cannot be combined, now rather than in round 1
+    # Refuses parts that cannot be combined and settings a method cannot honour (pFedMe's momentum-free
+    # inner steps), now rather than when the run starts.
+    make_algorithm(cfg)
     DATASETS.get(cfg.dataset.name, key="dataset.name")
     MODELS.get(cfg.model_name(), key="model.name")
     from .models import model_options

@@ -19,5 +19,6 @@ from . import (  # noqa: F401
     fedrs,
     moon,
     mtfl,
+    pfedme,
     scaffold,
 )
