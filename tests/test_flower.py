@@ -658,8 +658,11 @@ def test_fake_grid_federated_distillation_equals_the_simulation(tmp_path, keep_t
 # ================================== personalised models assembled on the clients: Flower's evaluate phase
 @pytest.mark.parametrize(
     "algorithm, model",
-    [({"name": "mtfl"}, "resnet8")],  # BatchNorm patches in context.state
-    ids=["mtfl"],
+    [
+        ({"name": "mtfl"}, "resnet8"),  # BatchNorm patches in context.state
+        ({"name": "demlearn"}, "cnn"),  # own weights in context.state, a group model per client down
+    ],
+    ids=["mtfl", "demlearn"],
 )
 def test_fake_grid_assembled_personal_models_equal_the_simulation(tmp_path, keep_threads, task_identity, algorithm, model):
     """After each round's aggregation the server sends every client an evaluate message; the client assembles

@@ -2,6 +2,7 @@
 
 from . import (  # noqa: F401
     dafkd,
+    demlearn,
     fedadam,
     fedavg,
     fedcurv,
