@@ -607,6 +607,18 @@ def fd_config(algorithm, clients):
     )
 
 
+def simulation_and_wire_run(cfg, tmp_path):
+    """The same configuration simulated and run through the fake grid over Flower's transport encoding:
+    (simulation, its rows, the grid, the Flower run's rows, its run directory, its summary)."""
+    sim = Simulation(cfg, load_dataset_for(cfg))
+    sim_history = sim.run()
+    run = tmp_path / "run"
+    grid = FakeGrid(cfg, nodes_for(3), wire=True)
+    summary = flower_app.run_server(grid, cfg, FlowerSettings(run_dir=str(run), round_timeout=5))
+    assert summary["status"] == "finished"
+    return sim, sim_history, grid, read_rows(run), run, summary
+
+
 @pytest.mark.parametrize(
     "algorithm, clients",
     [
@@ -622,14 +634,7 @@ def test_fake_grid_federated_distillation_equals_the_simulation(tmp_path, keep_t
     each node's context.state through Flower's transport encoding: the rows (personalised accuracies from
     the eval.* scalars, bytes, server loss), the server predictor and the clients' own models equal the
     simulation's exactly."""
-    cfg = fd_config(algorithm, clients)
-    sim = Simulation(cfg, load_dataset_for(cfg))
-    sim_history = sim.run()
-    run = tmp_path / "run"
-    grid = FakeGrid(cfg, nodes_for(3), wire=True)
-    summary = flower_app.run_server(grid, cfg, FlowerSettings(run_dir=str(run), round_timeout=5))
-    assert summary["status"] == "finished"
-    rows = read_rows(run)
+    sim, sim_history, grid, rows, run, summary = simulation_and_wire_run(fd_config(algorithm, clients), tmp_path)
     keys = (
         "clients", "train_loss", "server_loss", "bytes_down", "bytes_up", "bytes_weight_exchange",
         "personal_clients", "personal_accuracies", "personal_accuracy",
@@ -669,13 +674,7 @@ def test_fake_grid_assembled_personal_models_equal_the_simulation(tmp_path, keep
     its personalised model from it and its context.state and answers with counts, over Flower's transport:
     the personalised accuracies, bytes and the clients' states equal the simulation's."""
     cfg = flower_config(rounds=2, algorithm=algorithm, **{"partition.per_client_test": True, "model.name": model})
-    sim = Simulation(cfg, load_dataset_for(cfg))
-    sim_history = sim.run()
-    run = tmp_path / "run"
-    grid = FakeGrid(cfg, nodes_for(3), wire=True)
-    summary = flower_app.run_server(grid, cfg, FlowerSettings(run_dir=str(run), round_timeout=5))
-    assert summary["status"] == "finished"
-    rows = read_rows(run)
+    sim, sim_history, grid, rows, run, _ = simulation_and_wire_run(cfg, tmp_path)
     keys = ("clients", "train_loss", "bytes_down", "bytes_up", "test_accuracy", "personal_clients", "personal_accuracies")
     assert [{k: r[k] for k in keys} for r in rows] == [{k: r[k] for k in keys} for r in sim_history]
     assert rows[-1]["personal_clients"] == [0, 1, 2]

@@ -44,11 +44,11 @@ import torch
 from pydantic import Field
 
 from ..losses import proximal_term
-from ..models.flat import get_flat, num_flat, set_flat, trainable_mask, trainable_parameters
+from ..models.flat import get_flat, num_flat, set_flat, split_like, trainable_mask, trainable_parameters
 from ..registry import ALGORITHMS
 from .base import ClientContext, Message, RoundInfo, ServerContext
 from .fedavg import FedAvg, FedAvgParams
-from .local import local_sgd
+from .local import ExtraLoss
 
 # Client state: w_k, the client's own weights after its last local training (before any mixing).
 WEIGHTS_KEY = "demlearn_weights"
@@ -386,44 +386,27 @@ class DemLearn(FedAvg):
         server.state[PARENT_KEY] = torch.where(parent >= 0, remap[parent.clamp_min(0)], parent)
         server.state[GROUPS_KEY] = rows[kept]
 
-    # -- client ---------------------------------------------------------------------------------
-    def local_update(self, client: ClientContext, info: RoundInfo, msg: Message) -> Message:
+    # -- client: FedAvg's local round with three hooks -------------------------------------------
+    def load_weights(self, client: ClientContext, received: torch.Tensor) -> None:
+        """The client's starting point, and also its personalised (UA) model when the engine assembles it after
+        aggregation (card §5): ``(1−α)·w_k + α·g_par(k)``, the client finishing the server's top-down pass
+        itself. A client that never trained (no stored w_k) starts from what it received: in round 1 the
+        initial model (card: round 0). ``client.state`` is only read."""
         own = client.state.get(WEIGHTS_KEY)
-        extra = None
-        if own is None:
-            # First round of this client: plain SGD (μ = 0) from the server's model (card: round 0).
-            set_flat(client.model, msg["weights"])
-        else:
-            anchor = msg["weights"]  # g_par(k): the client's parent group model after the top-down pass
-            if self.params.mu > 0:
-                set_flat(client.model, anchor)
-                params = trainable_parameters(client.model)
-                # Detached copies of g_par(k) per parameter tensor: the prox anchor, fixed for the round
-                # (trainable parameters only, as FedProx; BatchNorm statistics are not pulled).
-                anchors = [p.detach().clone() for p in params]
-                mu = self.params.mu
-                extra = lambda model, x, y, logits, features: proximal_term(params, anchors, mu)  # noqa: E731
-            # The client finishes the server's top-down pass itself: w_k ← (1−α)·w_k + α·g_par(k).
-            set_flat(client.model, mix(own, anchor, self.params.alpha))
-        result = local_sgd(
-            client,
-            lr=info.lr,
-            epochs=self.local.epochs,
-            batch_size=self.local.batch_size,
-            momentum=self.local.momentum,
-            weight_decay=self.local.weight_decay,
-            extra_loss=extra,
-            grad_clip=self.params.grad_clip,
-        )
+        set_flat(client.model, received if own is None else mix(own, received, self.params.alpha))
+
+    def extra_loss(self, client: ClientContext, msg: Message) -> ExtraLoss | None:
+        """``(μ/2)‖w − g_par(k)‖²`` over the trainable parameters, from the client's second round on (its first
+        round is plain SGD, μ = 0). The anchor is the received parent model, fixed for the round."""
+        if client.state.get(WEIGHTS_KEY) is None or self.params.mu == 0:
+            return None
+        params = trainable_parameters(client.model)
+        anchors = split_like(msg["weights"][trainable_mask(client.model)], params)
+        mu = self.params.mu
+        return lambda model, x, y, logits, features: proximal_term(params, anchors, mu)
+
+    def upload_weights(self, client: ClientContext) -> torch.Tensor:
+        """w_k after training goes up and stays in the client's state for its next round and its UA model."""
         weights = get_flat(client.model)
         client.state[WEIGHTS_KEY] = weights
-        return Message(weights=weights, num_samples=client.num_samples, train_loss=result.mean_loss)
-
-    def assemble_personal_model(self, client: ClientContext, msg: Message) -> None:
-        """UA_k = (1−α)·w_k + α·g_par(k) (card §5); ``client.state`` is only read."""
-        own = client.state.get(WEIGHTS_KEY)
-        if own is None:  # never trained: the model it would start from
-            set_flat(client.model, msg["weights"])
-        else:
-            set_flat(client.model, mix(own, msg["weights"], self.params.alpha))
-
+        return weights
