@@ -478,7 +478,7 @@ def _child_cmdlines(pid: int) -> list[str]:
 def test_real_federation_matches_simulation(federation, tmp_path, keep_threads):
     from fedistill.flower.project import write_app
 
-    cfg = flower_config(rounds=3)
+    cfg = flower_config(rounds=2)  # each round starts a ClientApp process per client (~12 s a round)
     run_dir = tmp_path / "run"
     app = write_app(tmp_path / "app", cfg, run_dir=str(run_dir), round_timeout=120, discovery_timeout=60)
     run_id = federation.submit(app)
@@ -489,7 +489,7 @@ def test_real_federation_matches_simulation(federation, tmp_path, keep_threads):
     expected, sim_history = simulate(cfg)
     assert torch.allclose(checkpoint_flat(cfg, run_dir), expected, atol=1e-6)
     rows = read_rows(run_dir)
-    assert [r["clients"] for r in rows] == [3, 3, 3]
+    assert [r["clients"] for r in rows] == [3, 3]
     assert [(r["bytes_down"], r["bytes_up"]) for r in rows] == [(r["bytes_down"], r["bytes_up"]) for r in sim_history]
 
     # No runtime dependency installation: the SuperLink's SuperExec runs without the allow flag.
