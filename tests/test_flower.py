@@ -666,14 +666,17 @@ def test_fake_grid_federated_distillation_equals_the_simulation(tmp_path, keep_t
     [
         ({"name": "mtfl"}, "resnet8"),  # BatchNorm patches in context.state
         ({"name": "demlearn"}, "cnn"),  # own weights in context.state, a group model per client down
+        ({"name": "pfedme", "inner_steps": 2, "personal_lr": 0.05}, "cnn"),  # θ_k evaluated on the client with its reply (no evaluate phase)
     ],
-    ids=["mtfl", "demlearn"],
+    ids=["mtfl", "demlearn", "pfedme"],
 )
 def test_fake_grid_assembled_personal_models_equal_the_simulation(tmp_path, keep_threads, task_identity, algorithm, model):
     """After each round's aggregation the server sends every client an evaluate message; the client assembles
     its personalised model from it and its context.state and answers with counts, over Flower's transport:
     the personalised accuracies, bytes and the clients' states equal the simulation's."""
-    cfg = flower_config(rounds=2, algorithm=algorithm, **{"partition.per_client_test": True, "model.name": model})
+    cfg = flower_config(
+        rounds=2, algorithm=algorithm, **{"partition.per_client_test": True, "model.name": model, "local.momentum": 0.0}
+    )
     sim, sim_history, grid, rows, run, _ = simulation_and_wire_run(cfg, tmp_path)
     keys = ("clients", "train_loss", "bytes_down", "bytes_up", "test_accuracy", "personal_clients", "personal_accuracies")
     assert [{k: r[k] for k in keys} for r in rows] == [{k: r[k] for k in keys} for r in sim_history]

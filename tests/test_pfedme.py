@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from conftest import small_config
+from conftest import assert_resume_is_exact, small_config
 
 from fedistill.algorithms.base import ClientContext, Message, RoundInfo
 from fedistill.algorithms.build import make_algorithm
@@ -265,3 +265,11 @@ def test_personalised_models_beat_fedavg_on_label_skewed_digits(digits):
     assert len(last["personal_accuracies"]) == 10
     assert last["personal_accuracy"] > 80.0, last["personal_accuracy"]
     assert last["personal_accuracy"] > plain[-1]["personal_accuracy"] + 5.0, (last["personal_accuracy"], plain[-1])
+
+
+def test_resume_is_exact(digits, tmp_path):
+    assert_resume_is_exact(
+        digits, tmp_path, "pfedme",
+        **{"local.momentum": 0.0, "algorithm.inner_steps": 2, "algorithm.personal_lr": 0.05, "partition.per_client_test": True,
+           "run.threads": 1},
+    )  # fmt: skip
