@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # `make test` runs the suite in two processes (pytest-xdist) on the CI's two cores: one intra-op thread
+    # each, set before fedistill reads torch's default; two threads per process oversubscribe the cores.
+    torch.set_num_threads(1)
 
 import fedistill.algorithms  # noqa: F401  (registers algorithms)
 import fedistill.models  # noqa: F401
