@@ -1,7 +1,8 @@
 """Downloads against a local HTTP server on 127.0.0.1: success is atomic and md5-checked; every failure
 (wrong checksum, connection cut short, 404, unreachable host, stall) raises DatasetError and leaves neither
-a file at the destination nor a temporary file. End to end, ``load_dataset(..., download=True)`` fetches
-only the missing official files through ``FEDISTILL_MIRROR``.
+a file at the destination nor a temporary file. Files (downloaded or extracted) get the mode the umask
+gives a normally created file, and progress is shown as a terminal line or a few log lines. End to end,
+``load_dataset(..., download=True)`` fetches only the missing official files through ``FEDISTILL_MIRROR``.
 """
 
 from __future__ import annotations
@@ -9,8 +10,11 @@ from __future__ import annotations
 import gzip
 import hashlib
 import io
+import os
 import pickle
+import re
 import socket
+import stat
 import tarfile
 import threading
 import zipfile
@@ -167,6 +171,191 @@ def test_stalled_server_times_out(server, tmp_path):
     with pytest.raises(DatasetError, match="/slow"):
         dl.download_file(f"{server.url}/slow", dest, None, timeout=0.3)
     assert_empty(dest.parent)
+
+
+# --- file modes ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def umask():
+    """Set the process umask for one test (``umask(0o022)``), restoring the previous one afterwards."""
+    previous = os.umask(0o022)
+    os.umask(previous)
+
+    def set_umask(mask: int) -> None:
+        os.umask(mask)
+
+    try:
+        yield set_umask
+    finally:
+        os.umask(previous)
+
+
+def mode(path: Path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+@pytest.mark.skipif(os.name != "posix", reason="POSIX permission bits")
+@pytest.mark.parametrize(("mask", "file_mode", "dir_mode"), [(0o022, 0o644, 0o755), (0o077, 0o600, 0o700),
+                                                            (0o002, 0o664, 0o775)])
+def test_downloaded_file_mode_follows_umask(server, tmp_path, umask, mask, file_mode, dir_mode):
+    server.routes["/m.bin"] = ("ok", b"data" * 1000)
+    umask(mask)
+    dest = tmp_path / "shared" / "mnist" / "m.bin"
+    dl.download_file(f"{server.url}/m.bin", dest, md5(b"data" * 1000), timeout=5, report=False)
+    assert mode(dest) == file_mode  # not mkstemp's 0o600, and not forced world-readable either
+    assert mode(dest.parent) == dir_mode and mode(dest.parent.parent) == dir_mode
+
+
+@pytest.mark.skipif(os.name != "posix", reason="POSIX permission bits")
+def test_replaced_file_gets_new_mode(server, tmp_path, umask):
+    dest = tmp_path / "f.bin"
+    dest.write_bytes(b"old")
+    dest.chmod(0o600)
+    server.routes["/f.bin"] = ("ok", b"new")
+    umask(0o022)
+    dl.download_file(f"{server.url}/f.bin", dest, md5(b"new"), timeout=5, report=False)
+    assert dest.read_bytes() == b"new" and mode(dest) == 0o644
+
+
+@pytest.mark.skipif(os.name != "posix", reason="POSIX permission bits")
+@pytest.mark.parametrize(("mask", "file_mode"), [(0o022, 0o644), (0o077, 0o600)])
+@pytest.mark.parametrize("kind", ["tar.gz", "zip"])
+def test_extracted_file_mode_follows_umask(tmp_path, umask, mask, file_mode, kind):
+    archive = tmp_path / f"a.{kind}"
+    if kind == "zip":
+        with zipfile.ZipFile(archive, "w") as zf:
+            zf.writestr("top/x.bin", b"member")
+    else:
+        with tarfile.open(archive, "w:gz") as tar:
+            info = tarfile.TarInfo("top/x.bin")
+            info.size = 6
+            info.mode = 0o600  # the archive's own mode is not what decides
+            tar.addfile(info, io.BytesIO(b"member"))
+    umask(mask)
+    dest = tmp_path / "out" / "x.bin"
+    dl.extract_members(archive, {"top/x.bin": dest})
+    assert dest.read_bytes() == b"member" and mode(dest) == file_mode
+    assert sorted(p.name for p in dest.parent.iterdir()) == ["x.bin"]
+
+
+# --- progress -----------------------------------------------------------------------------------------
+
+ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+
+
+def plain_lines(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.strip()]
+
+
+def test_log_progress_known_size():
+    out = io.StringIO()
+    report = dl.DownloadProgress(out, tty=False)
+    report.start("http://host/f.bin", Path("/data/f.bin"), 10_000_000)
+    for received in range(100_000, 10_000_001, 100_000):  # 100 chunks
+        report.update(received)
+    report.finish("md5 ok (abc)")
+    lines = plain_lines(out.getvalue())
+    assert lines[0] == "downloading http://host/f.bin (10.0 MB) -> /data/f.bin"
+    assert [line.split(":")[1].split("%")[0].strip() for line in lines[1:-1]] == ["25", "50", "75"]
+    assert "2.5 MB of 10.0 MB" in lines[1] and "MB/s" in lines[1]
+    assert lines[-1].startswith("  f.bin: done, 10.0 MB in ") and lines[-1].endswith("md5 ok (abc)")
+    assert len(lines) == 5
+
+
+def test_log_progress_big_jumps_and_unknown_size():
+    out = io.StringIO()
+    report = dl.DownloadProgress(out, tty=False)
+    report.start("http://host/a", Path("a"), 1000)
+    report.update(900)  # crosses 25, 50 and 75 % at once: one line
+    report.update(1000)
+    report.finish("md5 ok (x)")
+    report.start("http://host/b", Path("b"), None)  # the same instance serves the next download
+    for received in range(1_000_000, 2_000_000_001, 1_000_000):
+        report.update(received)
+    report.fail("download failed: http://host/b broke off")
+    lines = plain_lines(out.getvalue())
+    assert lines[0] == "downloading http://host/a (1.0 kB) -> a"
+    assert lines[1].startswith("  a: 75% (900 B of 1.0 kB, ") and lines[2].startswith("  a: done, 1.0 kB in ")
+    assert lines[3] == "downloading http://host/b (size unknown) -> b"
+    assert [line.split(" so far")[0] for line in lines[4:7]] == ["  b: 10.0 MB", "  b: 100.0 MB", "  b: 1.00 GB"]
+    assert len(lines) == 8  # 2000 chunks of an unsized body: start, 10 MB, 100 MB, 1 GB, final
+    assert lines[-1] == "  b: download failed: http://host/b broke off"
+
+
+def test_download_logs_few_lines(server, tmp_path, monkeypatch, capsys):
+    body = bytes(range(256)) * 4000
+    server.routes["/big.bin"] = ("ok", body)
+    monkeypatch.setattr(dl, "CHUNK_SIZE", 4096)  # 250 chunks
+    seen = []
+    dest = tmp_path / "big.bin"
+    dl.download_file(f"{server.url}/big.bin", dest, md5(body), timeout=5, progress=lambda *a: seen.append(a))
+    lines = plain_lines(capsys.readouterr().err)  # captured stderr is not a terminal: log lines
+    assert lines[0] == f"downloading {server.url}/big.bin (1.0 MB) -> {dest}"
+    assert lines[-1].startswith("  big.bin: done, 1.0 MB in ") and lines[-1].endswith(f"md5 ok ({md5(body)})")
+    assert len(lines) <= 6
+    assert len(seen) >= 250 and seen[-1] == (len(body), len(body))  # the callback still sees every chunk
+    assert dest.read_bytes() == body
+
+
+def test_download_logs_failures(server, tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv(dl.MIRROR_ENV, raising=False)
+    monkeypatch.setitem(dl.OFFICIAL_BASE_URLS, "mnist", (f"{server.url}/first/", f"{server.url}/second/"))
+    server.routes["/second/f.bin"] = ("ok", b"tampered")
+    with pytest.raises(DatasetError):
+        dl.download_official("mnist", "f.bin", tmp_path / "f.bin", md5(b"payload"), timeout=5)
+    lines = plain_lines(capsys.readouterr().err)
+    assert lines[0] == f"download failed: {server.url}/first/f.bin answered HTTP 404 Not Found"
+    assert lines[1].startswith(f"downloading {server.url}/second/f.bin (8 B)")
+    expected = f"  f.bin: checksum mismatch for {server.url}/second/f.bin: expected md5 {md5(b'payload')}"
+    assert lines[2].startswith(expected)  # the final line carries the md5 result
+    assert len(lines) == 3
+    assert_empty(tmp_path)
+
+
+def test_md5_none_reported(server, tmp_path, capsys):
+    server.routes["/n"] = ("ok", b"abc")
+    dl.download_file(f"{server.url}/n", tmp_path / "n", None, timeout=5)
+    assert plain_lines(capsys.readouterr().err)[-1].endswith("md5 not checked (none published)")
+
+
+def test_terminal_progress_is_one_updating_line(server, tmp_path, monkeypatch):
+    body = b"t" * 300_000
+    server.routes["/t.bin"] = ("ok", body)
+    monkeypatch.setattr(dl, "CHUNK_SIZE", 1024)
+    out = io.StringIO()
+    dl.download_file(f"{server.url}/t.bin", tmp_path / "t.bin", md5(body), timeout=5,
+                     report=dl.DownloadProgress(out, tty=True))
+    raw = out.getvalue()
+    assert "\r" in raw and "\x1b[" in raw  # redrawn in place by rich
+    assert "downloading" not in raw  # no separate start line on a terminal
+    text = ANSI.sub("", raw)
+    assert "t.bin" in text and "300.0/300.0 kB" in text and "100%" in text
+    final = text.split("\r")[-1].strip()
+    assert final.startswith("t.bin: done, 300.0 kB in ") and final.endswith(f"md5 ok ({md5(body)})")
+    assert (tmp_path / "t.bin").read_bytes() == body
+
+
+def test_terminal_progress_stops_on_failure(server, tmp_path):
+    server.routes["/cut.bin"] = ("cut", b"c" * 5000)
+    out = io.StringIO()
+    with pytest.raises(DatasetError, match="ended after 5000 of 20000 bytes"):
+        dl.download_file(f"{server.url}/cut.bin", tmp_path / "cut.bin", None, timeout=5,
+                         report=dl.DownloadProgress(out, tty=True))
+    final = ANSI.sub("", out.getvalue()).split("\r")[-1].strip()
+    assert final.startswith("cut.bin: download failed:") and "ended after 5000 of 20000 bytes" in final
+    assert_empty(tmp_path)
+
+
+def test_report_false_is_silent_and_broken_stream_is_harmless(server, tmp_path, capsys):
+    server.routes["/q"] = ("ok", b"quiet")
+    dl.download_file(f"{server.url}/q", tmp_path / "q", md5(b"quiet"), timeout=5, report=False)
+    assert capsys.readouterr().err == ""
+    closed = io.StringIO()
+    closed.close()
+    dl.download_file(f"{server.url}/q", tmp_path / "r", md5(b"quiet"), timeout=5,
+                     report=dl.DownloadProgress(closed))
+    assert (tmp_path / "r").read_bytes() == b"quiet"
 
 
 # --- URL resolution -----------------------------------------------------------------------------------

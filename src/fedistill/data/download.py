@@ -12,9 +12,22 @@ Guarantees of :func:`download_file`:
 * on any failure (HTTP error, unreachable host, timeout, connection cut before ``Content-Length`` bytes
   arrived, checksum mismatch, interrupt) the temporary file is deleted and a :class:`DatasetError` names
   the URL and what went wrong. A half-written file therefore never appears under the final name, and no
-  temporary file is left behind.
+  temporary file is left behind;
+* the file gets the permissions of any file the process creates normally (``0o666`` minus the umask,
+  typically ``0o644``, or what a default ACL of the directory says), so a shared data directory stays
+  readable by the other users of the group. :func:`tempfile.mkstemp` would leave ``0o600``; see
+  :func:`_create_temp` for how this is done without touching the process umask.
 
-Only :mod:`urllib` is used, so downloading adds no dependency.
+Fetching uses only :mod:`urllib`; progress is drawn with :mod:`rich` (already a dependency of fedistill).
+
+Progress
+--------
+:class:`DownloadProgress` reports each download on stderr. On a terminal it is a single updating line
+(name, bar, bytes done / total, percentage, MB/s, time left) that gives way to one summary line. When
+stderr is not a terminal (``nohup``, SLURM, CI logs) it prints a handful of plain lines per file: the URL
+and size when the transfer starts, one line at 25, 50 and 75 % (at 10 MB, 100 MB, 1 GB ... when the server
+sends no ``Content-Length``, one line per factor of ten), and a final line with the size, the mean speed
+and the md5 result (or the error). ``report=False`` silences it.
 
 Where files come from
 ---------------------
@@ -31,13 +44,16 @@ The md5 check still applies.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import http.client
 import logging
 import os
+import secrets
 import shutil
+import sys
 import tarfile
-import tempfile
+import time
 import urllib.error
 import urllib.request
 import zipfile
@@ -90,6 +106,213 @@ Progress = Callable[[int, "int | None"], None]
 """Called after each chunk with (bytes received so far, total from Content-Length or None)."""
 
 
+# --- progress display ----------------------------------------------------------------------------------
+
+
+def _format_bytes(count: float) -> str:
+    """Decimal units, as rich's download columns use them: 950 B, 28.9 kB, 170.5 MB, 1.25 GB."""
+    if count < 1_000:
+        return f"{int(count)} B"
+    if count < 1_000_000:
+        return f"{count / 1_000:.1f} kB"
+    if count < 1_000_000_000:
+        return f"{count / 1_000_000:.1f} MB"
+    return f"{count / 1_000_000_000:.2f} GB"
+
+
+def _format_rate(count: int, seconds: float) -> str:
+    return f"{count / 1_000_000 / max(seconds, 1e-6):.1f} MB/s"
+
+
+class DownloadProgress:
+    """Shows the progress of one download at a time on ``stream`` (default: ``sys.stderr`` at call time).
+
+    :func:`download_file` calls :meth:`start` once the response headers arrived, :meth:`update` after every
+    chunk, then either :meth:`finish` (file in place) or :meth:`fail` (any error, also before
+    :meth:`start`). One instance can serve several downloads in turn (each :meth:`start` resets it).
+
+    ``tty`` chooses the display; ``None`` asks ``stream.isatty()``:
+
+    * terminal: a :mod:`rich` progress line (transient) replaced by the summary line at the end;
+    * otherwise, plain lines for log files: start (URL, size, destination), 25 %, 50 %, 75 % (or 10 MB,
+      100 MB, 1 GB, ... when the size is unknown) and the final line; a chunk crossing several marks
+      prints one line, so a file of known size never takes more than five.
+
+    Writing progress never fails a download: errors of the stream (closed pipe, ...) are ignored.
+    """
+
+    QUARTERS = 4
+    UNKNOWN_SIZE_FIRST_MARK = 10_000_000
+
+    def __init__(self, stream: IO[str] | None = None, tty: bool | None = None) -> None:
+        self._stream = stream
+        self._tty = tty
+        self._bar = None  # rich.progress.Progress while a terminal line is shown
+        self._task = None
+        self._started = False
+        self._name = ""
+        self._total: int | None = None
+        self._received = 0
+        self._t0 = 0.0
+        self._next_mark = 0
+
+    @property
+    def stream(self) -> IO[str]:
+        return self._stream if self._stream is not None else sys.stderr
+
+    def is_tty(self) -> bool:
+        if self._tty is not None:
+            return self._tty
+        try:
+            return bool(self.stream.isatty())
+        except (AttributeError, OSError, ValueError):
+            return False
+
+    # -- events --
+
+    def start(self, url: str, dest: Path, total: int | None) -> None:
+        self._close_bar()
+        self._started = True
+        self._name = Path(dest).name
+        self._total = total
+        self._received = 0
+        self._t0 = time.monotonic()
+        self._next_mark = 1 if total else self.UNKNOWN_SIZE_FIRST_MARK
+        if self.is_tty() and self._open_bar(total):
+            return
+        size = _format_bytes(total) if total is not None else "size unknown"
+        self._emit(f"downloading {url} ({size}) -> {dest}")
+
+    def update(self, received: int) -> None:
+        if not self._started:
+            return
+        self._received = received
+        if self._bar is not None:
+            try:
+                self._bar.update(self._task, completed=received)
+            except Exception:  # pragma: no cover - a display problem must not fail the download
+                self._bar = None
+            return
+        line = self._milestone(received)
+        if line is not None:
+            self._emit(f"  {self._name}: {line}")
+
+    def finish(self, note: str) -> None:
+        """The file is in place; ``note`` says what the md5 check found."""
+        self._close_bar()
+        elapsed = time.monotonic() - self._t0
+        self._emit(
+            f"  {self._name}: done, {_format_bytes(self._received)} in {elapsed:.1f} s "
+            f"({_format_rate(self._received, elapsed)}), {note}"
+        )
+        self._started = False
+
+    def fail(self, message: str) -> None:
+        """The download failed; ``message`` is the error (already naming the URL)."""
+        self._close_bar()
+        self._emit(f"  {self._name}: {message}" if self._started else message)
+        self._started = False
+
+    # -- plain lines --
+
+    def _milestone(self, received: int) -> str | None:
+        """The line due at ``received`` bytes, if a milestone was crossed (several at once give one line)."""
+        elapsed = time.monotonic() - self._t0
+        rate = _format_rate(received, elapsed)
+        total = self._total
+        if total:
+            quarter = min(received * self.QUARTERS // total, self.QUARTERS)
+            if quarter < self._next_mark or quarter >= self.QUARTERS:  # 100 % is the final line's job
+                return None
+            self._next_mark = quarter + 1
+            return f"{100 * quarter // self.QUARTERS}% ({_format_bytes(received)} of {_format_bytes(total)}, {rate})"
+        if received < self._next_mark:
+            return None
+        while self._next_mark <= received:
+            self._next_mark *= 10
+        return f"{_format_bytes(received)} so far (size unknown, {rate})"
+
+    def _emit(self, line: str) -> None:
+        try:
+            print(line, file=self.stream, flush=True)
+        except (OSError, ValueError):  # closed or broken stream: progress is optional
+            pass
+
+    # -- terminal line --
+
+    def _open_bar(self, total: int | None) -> bool:
+        try:
+            from rich.console import Console
+            from rich.progress import (
+                BarColumn,
+                DownloadColumn,
+                Progress as RichProgress,
+                TaskProgressColumn,
+                TextColumn,
+                TimeRemainingColumn,
+                TransferSpeedColumn,
+            )
+
+            bar = RichProgress(
+                TextColumn("{task.description}"),
+                BarColumn(),
+                DownloadColumn(),
+                TaskProgressColumn(),
+                TransferSpeedColumn(),
+                TimeRemainingColumn(),
+                console=Console(file=self.stream, force_terminal=True),
+                transient=True,
+            )
+            self._task = bar.add_task(self._name, total=total)
+            bar.start()
+        except Exception:  # e.g. another live display is active: fall back to plain lines
+            return False
+        self._bar = bar
+        return True
+
+    def _close_bar(self) -> None:
+        bar, self._bar = self._bar, None
+        if bar is not None:
+            try:
+                bar.stop()
+            except Exception:  # pragma: no cover
+                pass
+
+
+def _reporter(report: "bool | DownloadProgress") -> DownloadProgress | None:
+    if isinstance(report, DownloadProgress):
+        return report
+    return DownloadProgress() if report else None
+
+
+# --- files ---------------------------------------------------------------------------------------------
+
+# mkstemp's flags (exclusive creation, no following a planted link) without its fixed mode 0o600.
+_TEMP_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_BINARY", 0)
+
+
+def _create_temp(dest: Path) -> tuple[int, Path]:
+    """Create a new, empty temporary file next to ``dest``; return its descriptor and path.
+
+    Like :func:`tempfile.mkstemp` (random name, ``O_EXCL`` so an existing file or link is never reused)
+    but created with mode ``0o666``, which the kernel reduces by the process umask (or replaces with the
+    directory's default ACL) exactly as for any normally created file; :func:`os.replace` keeps that mode,
+    so the dataset file ends ``0o644`` under the usual umask ``0o022`` and ``0o600`` under ``0o077``.
+
+    Letting the kernel apply the umask avoids reading it: Python can only read the umask by setting it
+    (``os.umask(0)`` then restoring it), which changes process-wide state and, for that instant, would make
+    files created by any other thread world-writable; caching that value once would in turn miss later
+    umask changes. Creating with ``0o666`` needs neither, and also honours default ACLs of shared folders.
+    """
+    for _ in range(100):
+        tmp = dest.parent / f".{dest.name}.{secrets.token_hex(6)}.part"
+        try:
+            return os.open(tmp, _TEMP_FLAGS, 0o666), tmp
+        except FileExistsError:  # pragma: no cover - 48 random bits
+            continue
+    raise FileExistsError(errno.EEXIST, "no free temporary file name", str(dest.parent))  # pragma: no cover
+
+
 def md5_file(path: Path, chunk_size: int = CHUNK_SIZE) -> str:
     """Hex md5 of a file, read in chunks so that archives of several hundred MB need little memory."""
     digest = hashlib.md5()
@@ -121,6 +344,7 @@ def download_file(
     md5: str | None,
     timeout: float = DEFAULT_TIMEOUT,
     progress: Progress | None = None,
+    report: bool | DownloadProgress = True,
 ) -> Path:
     """Download ``url`` to ``dest`` atomically, checking its md5 (when given) before it gets its name.
 
@@ -128,15 +352,31 @@ def download_file(
     a timeout, a body shorter than its ``Content-Length``, or an md5 mismatch; in every failure case
     nothing is written at ``dest`` and the temporary file is removed. ``md5=None`` skips the checksum
     (only for files without a published one); truncation is still detected through ``Content-Length``.
+
+    ``progress`` is called after every chunk (see :data:`Progress`). ``report`` shows the download on
+    stderr (``True``, see :class:`DownloadProgress`), on a given :class:`DownloadProgress`, or not at all
+    (``False``). The file gets the permissions of a normally created file (see :func:`_create_temp`);
+    missing parent folders are created with :meth:`Path.mkdir`'s default mode (``0o777`` minus the umask).
     """
     dest = Path(dest)
+    reporter = _reporter(report)
+
+    def on_chunk(received: int, expected: int | None) -> None:
+        if reporter is not None:
+            reporter.update(received)
+        if progress is not None:
+            progress(received, expected)
+
+    def on_headers(expected: int | None) -> None:
+        if reporter is not None:
+            reporter.start(url, dest, expected)
+
     dest.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".part")
-    tmp = Path(tmp_name)
+    fd, tmp = _create_temp(dest)
     finished = False
     try:
         with os.fdopen(fd, "wb") as out:
-            actual_md5 = _stream(url, out, timeout, progress)
+            actual_md5 = _stream(url, out, timeout, on_chunk, on_headers)
             out.flush()
             os.fsync(out.fileno())
         if md5 is not None and actual_md5 != md5.lower():
@@ -146,14 +386,38 @@ def download_file(
             )
         os.replace(tmp, dest)
         finished = True
+    except BaseException as exc:
+        if reporter is not None:
+            reporter.fail(_describe_failure(exc))
+        raise
     finally:
         if not finished:
             _remove_quietly(tmp)
+    if reporter is not None:
+        reporter.finish(f"md5 ok ({actual_md5})" if md5 is not None else "md5 not checked (none published)")
     return dest
 
 
-def _stream(url: str, out: IO[bytes], timeout: float, progress: Progress | None) -> str:
-    """Copy the body of ``url`` into ``out``; return its md5. Every failure becomes a DatasetError."""
+def _describe_failure(exc: BaseException) -> str:
+    if isinstance(exc, DatasetError):
+        return str(exc)
+    if isinstance(exc, KeyboardInterrupt):
+        return "download interrupted; nothing written"
+    return f"download failed: {type(exc).__name__}: {exc}"
+
+
+def _stream(
+    url: str,
+    out: IO[bytes],
+    timeout: float,
+    on_chunk: Progress,
+    on_headers: Callable[["int | None"], None],
+) -> str:
+    """Copy the body of ``url`` into ``out``; return its md5. Every failure becomes a DatasetError.
+
+    ``on_headers(total)`` is called once the response headers arrived, ``on_chunk(received, total)``
+    after each chunk (``total`` from ``Content-Length``, or None).
+    """
     request = urllib.request.Request(url, headers={"User-Agent": USER_AGENT})
     digest = hashlib.md5()
     received = 0
@@ -162,6 +426,7 @@ def _stream(url: str, out: IO[bytes], timeout: float, progress: Progress | None)
         with urllib.request.urlopen(request, timeout=timeout) as response:
             length = response.headers.get("Content-Length")
             expected = int(length) if length is not None and length.strip().isdigit() else None
+            on_headers(expected)
             while True:
                 chunk = response.read(CHUNK_SIZE)
                 if not chunk:
@@ -169,8 +434,7 @@ def _stream(url: str, out: IO[bytes], timeout: float, progress: Progress | None)
                 out.write(chunk)
                 digest.update(chunk)
                 received += len(chunk)
-                if progress is not None:
-                    progress(received, expected)
+                on_chunk(received, expected)
     except urllib.error.HTTPError as exc:
         raise DatasetError(f"download failed: {url} answered HTTP {exc.code} {exc.reason}") from None
     except urllib.error.URLError as exc:
@@ -196,17 +460,20 @@ def download_official(
     md5: str | None,
     timeout: float = DEFAULT_TIMEOUT,
     progress: Progress | None = None,
+    report: bool | DownloadProgress = True,
 ) -> Path:
     """Fetch one official file of ``dataset`` into ``dest``, trying each candidate URL in order.
 
-    See :func:`candidate_urls` for where the file comes from and :func:`download_file` for the guarantees.
-    If every URL fails, the :class:`DatasetError` lists each URL with its failure.
+    See :func:`candidate_urls` for where the file comes from and :func:`download_file` for the guarantees
+    and for ``progress`` / ``report``. If every URL fails, the :class:`DatasetError` lists each URL with
+    its failure.
     """
+    reporter = _reporter(report) or False
     failures: list[str] = []
     for url in candidate_urls(dataset, filename):
-        log.info("downloading %s -> %s", url, dest)
+        log.debug("downloading %s -> %s", url, dest)  # the progress reporter prints the start line
         try:
-            return download_file(url, dest, md5, timeout=timeout, progress=progress)
+            return download_file(url, dest, md5, timeout=timeout, progress=progress, report=reporter)
         except DatasetError as exc:
             log.warning("%s", exc)
             failures.append(str(exc))
@@ -297,10 +564,10 @@ def _extract_zip(archive: Path, wanted: dict[str, Path]) -> None:
 
 
 def _write_atomic(source: IO[bytes], dest: Path, archive: Path, member: str) -> None:
-    """Copy ``source`` into ``dest`` through a temporary file in the same directory."""
+    """Copy ``source`` into ``dest`` through a temporary file in the same directory (mode as for
+    :func:`download_file`: that of a normally created file)."""
     dest.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".part")
-    tmp = Path(tmp_name)
+    fd, tmp = _create_temp(dest)
     finished = False
     try:
         with os.fdopen(fd, "wb") as out:
