@@ -6,11 +6,42 @@ is reported with the allowed choices instead of a KeyError from deep inside.
 
 from __future__ import annotations
 
+import re
 from typing import Callable, Generic, Iterator, TypeVar
 
 from .errors import ConfigError
 
 T = TypeVar("T", bound=Callable)
+
+# A citation of a developer card (``spec/fedlmd.md``, ``experiments-fedlmd.md §2 "Sharding"``, ``fedavg.md
+# ambiguity 3``): those files live in the source repository only, so what users see omits them.
+_CARD = re.compile(
+    r"(?:Cards?:\s*)?(?:[\w./-]+/)?[\w-]+\.md\b"  # the file, with an optional "Card:" label
+    r"(?:,?\s*(?:§\s*[\w.-]+|ambiguity\s+\d+)(?:\s*\"[^\"]*\")?)*"  # its sections: §2 "Sharding", ambiguity 3
+    r"(?:\s*\([^()]*§[^()]*\))?"  # and a following "(protocol §0)"
+)
+_PARENS = re.compile(r"\s*\(([^()]*)\)")
+
+
+def without_card_citations(text: str) -> str:
+    """``text`` without citations of the repository's card files (``list`` shows what ships or is online)."""
+
+    def parens(match: re.Match[str]) -> str:
+        if not _CARD.search(match[1]):
+            return match[0]
+        pieces = re.split(r"(\s*[;,]\s*)", match[1])  # parts and the separators between them
+        kept, sep = [], ""
+        for i in range(0, len(pieces), 2):
+            piece = pieces[i].strip()
+            if piece and not _CARD.search(piece) and not re.match(r"(?:§|ambiguity\b)", piece):  # not a card's section
+                kept.append(sep.strip() + " " + piece if kept else piece)
+            sep = pieces[i + 1] if i + 1 < len(pieces) else ""
+        return f" ({''.join(kept)})" if kept else ""
+
+    text = _PARENS.sub(parens, text)
+    text = _CARD.sub("", text)
+    text = re.sub(r"\s+([.,;:])", r"\1", re.sub(r"\s{2,}", " ", text))
+    return re.sub(r"\.{2,}$", ".", text).strip()
 
 
 class Registry(Generic[T]):
@@ -43,7 +74,8 @@ class Registry(Generic[T]):
         return sorted(self._entries)
 
     def describe(self, name: str) -> str:
-        return self._help.get(name, "")
+        """The entry's one-line help (the docstring's first line), without repository-only card citations."""
+        return without_card_citations(self._help.get(name, ""))
 
     def __contains__(self, name: object) -> bool:
         return name in self._entries

@@ -1,11 +1,12 @@
 """``fedistill reproduce``: run the methods of a published table and print our numbers beside the paper's.
 
-A preset (``configs/reproduce/*.yaml``) describes one table: a base configuration (the paper's protocol),
-columns (settings such as "MNIST shards s=2"), methods (each a config fragment, with per-column
-hyperparameters such as the paper's tuned values), and the published numbers. Every (column, method, seed)
-is an ordinary run directory under ``<out>/<preset>/<column>/<method>/seed<s>``, so the harness is
-resumable: a finished run is reused, an interrupted one is resumed, and asking for more rounds continues
-the existing runs (resume allows ``rounds`` to grow). The table is written as Markdown and CSV.
+A preset (``configs/reproduce/*.yaml``, shipped in the package as ``fedistill/configs/reproduce``) describes
+one table: a base configuration (the paper's protocol), columns (settings such as "MNIST shards s=2"),
+methods (each a config fragment, with per-column hyperparameters such as the paper's tuned values), and the
+published numbers. Every (column, method, seed) is an ordinary run directory under
+``<out>/<preset>/<column>/<method>/seed<s>``, so the harness is resumable: a finished run is reused, an
+interrupted one is resumed, and asking for more rounds continues the existing runs (resume allows
+``rounds`` to grow). The table is written as Markdown and CSV.
 
 Metrics follow experiments-fedlmd.md §4: the reported accuracy is the best test accuracy over the rounds
 run; the speedup is ``r_ref / r_method`` where ``r_X`` is the first round at which X reaches the reference
@@ -21,6 +22,7 @@ import io
 import json
 import statistics
 from dataclasses import dataclass
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -66,10 +68,76 @@ class Preset(_Strict):
     notes: list[str] = Field(default_factory=list)
 
 
+def bundled_configs_dir() -> Path | None:
+    """The ``configs/`` that ships with fedistill, or None if this installation has none.
+
+    In an installed wheel it is package data, ``fedistill/configs/`` (pyproject.toml maps the repository's
+    ``configs/`` there); from the source tree (an editable install, or ``src`` on ``sys.path``) it is the
+    checkout's ``configs/`` beside ``src/``.
+    """
+    packaged = resources.files(__package__) / "configs"
+    candidates = [Path(str(packaged)), Path(__file__).resolve().parents[2] / "configs"]
+    return next((c for c in candidates if c.is_dir()), None)
+
+
 def preset_search_path() -> list[Path]:
-    """Where preset names are looked up: ./configs/reproduce, then the source checkout's."""
-    here = Path(__file__).resolve().parents[2] / PRESET_DIR
-    return [Path.cwd() / PRESET_DIR, here]
+    """Where preset names are looked up: ./configs/reproduce, then the presets that ship with fedistill."""
+    bundled = bundled_configs_dir()
+    return [Path.cwd() / PRESET_DIR] + ([bundled / "reproduce"] if bundled is not None else [])
+
+
+def bundled_configs() -> dict[str, Path]:
+    """The experiment configurations that ship with fedistill (``configs/*.yaml``), by name."""
+    bundled = bundled_configs_dir()
+    return {p.stem: p for p in sorted(bundled.glob("*.yaml"))} if bundled is not None else {}
+
+
+def find_config(path_or_name: str) -> str:
+    """``run --config``'s file: the path as given where it exists, else the shipped configuration it names.
+
+    ``configs/digits_fedavg.yaml`` (the README's spelling), ``digits_fedavg.yaml`` and ``digits_fedavg``
+    all name the shipped ``digits_fedavg``, so the README's commands work from any directory with an
+    installed package. Anything else is returned unchanged, for the caller's "does not exist" error.
+    """
+    path = Path(path_or_name)
+    if path.is_file():
+        return path_or_name
+    parts = path.parts[1:] if path.parts[:1] == ("configs",) else path.parts
+    if len(parts) == 1:
+        name = parts[0][: -len(".yaml")] if parts[0].endswith(".yaml") else parts[0]
+        shipped = bundled_configs().get(name)
+        if shipped is not None:
+            return str(shipped)
+    return path_or_name
+
+
+def config_summary(path: Path) -> str:
+    """One line on a shipped configuration: its algorithm, dataset, partition, clients and rounds."""
+    from .config import Config
+
+    try:
+        cfg = Config.model_validate(yaml.safe_load(path.read_text()) or {})
+    except (OSError, yaml.YAMLError, ValidationError, ConfigError) as exc:
+        return f"not loadable ({exc.__class__.__name__})"
+    p = cfg.partition
+    return (
+        f"{cfg.algorithm.name} on {cfg.dataset.name}, {p.scheme} partition over {p.num_clients} clients "
+        f"({cfg.clients_per_round} per round), {cfg.rounds} rounds"
+    )
+
+
+def preset_summaries() -> list[tuple[str, str]]:
+    """(name, "title. source") of every preset ``reproduce NAME`` finds (the source cites the paper); a broken
+    one says why it cannot be loaded."""
+    out = []
+    for name in available_presets():
+        try:
+            preset = load_preset(name)
+        except ConfigError as exc:
+            out.append((name, f"not loadable: {exc}"))
+        else:
+            out.append((name, f"{preset.title}. {preset.source}"))
+    return out
 
 
 def available_presets() -> list[str]:
@@ -83,7 +151,10 @@ def available_presets() -> list[str]:
 def load_preset(name_or_path: str) -> Preset:
     path = Path(name_or_path)
     if not path.is_file():
-        candidates = [folder / f"{name_or_path}.yaml" for folder in preset_search_path()]
+        # A name, or the repository's spelling configs/reproduce/NAME.yaml of a shipped preset.
+        parts = path.parts[2:] if path.parts[:2] == tuple(Path(PRESET_DIR).parts) else path.parts
+        name = parts[0][: -len(".yaml")] if len(parts) == 1 and parts[0].endswith(".yaml") else name_or_path
+        candidates = [folder / f"{name}.yaml" for folder in preset_search_path()]
         path = next((c for c in candidates if c.is_file()), None)
         if path is None:
             raise ConfigError(
@@ -166,8 +237,8 @@ def _stripped(config: dict[str, Any]) -> dict[str, Any]:
     from .config import Config
 
     try:
-        config = Config.model_validate(config).to_dict()
-    except ValidationError:
+        config = Config.model_validate(config).resolved_dict()
+    except (ValidationError, ConfigError):
         pass  # a config this version cannot read is compared as written, and then reported as different
     return {k: v for k, v in config.items() if k not in ("rounds", "run")}
 
