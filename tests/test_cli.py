@@ -45,7 +45,8 @@ def test_set_overrides_and_yaml_config_are_applied(tmp_path):
     import yaml
 
     saved = yaml.safe_load((run / "config.yaml").read_text())
-    assert saved["algorithm"] == {"name": "fedavgm", "server_momentum": 0.5}
+    # every parameter written out: the one set, and the defaults (issue 14: a self-describing run directory)
+    assert saved["algorithm"] == {"name": "fedavgm", "server_momentum": 0.5, "server_lr": 1.0, "weighting": "samples", "grad_clip": None}
     assert saved["local"]["lr"] == 0.02 and saved["local"]["batch_size"] == 16
 
 

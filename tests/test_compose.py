@@ -138,4 +138,5 @@ def test_cli_accepts_a_comma_list_and_names_the_run_after_all_parts(tmp_path):
     import yaml
 
     saved = yaml.safe_load((run_dir / "config.yaml").read_text())
-    assert saved["algorithm"]["plus"] == {"fedavgm": {}, "fedrs": {}}
+    assert list(saved["algorithm"]["plus"]) == ["fedavgm", "fedrs"]  # in the given order, every parameter written out
+    assert saved["algorithm"]["plus"]["fedavgm"]["server_momentum"] == 0.7

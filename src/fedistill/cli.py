@@ -8,6 +8,7 @@ after saying where its last good checkpoint is.
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from pathlib import Path
 from typing import Any, Sequence
@@ -39,7 +40,7 @@ RUN_FLAGS: list[tuple[str, str, type, str]] = [
 
 def _add_run_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("run", help="run a federated experiment", description="Run a federated experiment.")
-    p.add_argument("--config", "-c", help="YAML config file")
+    p.add_argument("--config", "-c", help="YAML config file, or the name of a shipped config (see `fedistill list`)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="override any config key, e.g. --set local.lr=0.05 (repeatable)")
     for flag, key, typ, help_text in RUN_FLAGS:
         p.add_argument(flag, dest=key, type=typ, default=None, help=f"{help_text} [{key}]")
@@ -47,6 +48,7 @@ def _add_run_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-verify", action="store_true", help="skip md5 checks of dataset files (custom copies)")
     p.add_argument("--resume", metavar="RUN_DIR", help="continue an interrupted run from its checkpoint")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--print-config", action="store_true", help="print the fully resolved configuration (as config.yaml will hold it) and exit")
     p.add_argument(
         "--allow-numeric-change", action="store_true",
         help="with --resume: allow run.precision, run.threads, run.workers' threads, run.channels_last or run.device to "
@@ -75,6 +77,7 @@ def _overrides_from_args(args: argparse.Namespace) -> list[tuple[str, Any]]:
 def cmd_run(args: argparse.Namespace) -> int:
     from .config import build_config, read_yaml
     from .report.rundir import RunDirectory
+    from .reproduce import find_config
     from .runner import run_experiment
 
     overrides = dict(_overrides_from_args(args))
@@ -86,11 +89,21 @@ def cmd_run(args: argparse.Namespace) -> int:
         run_dir = RunDirectory(Path(args.resume))
         base = run_dir.read_config()
         cfg = build_config(base, overrides, source=str(run_dir.path / "config.yaml"))
-        run_experiment(cfg, run_dir=run_dir, resume=True, allow_numeric_change=args.allow_numeric_change)
+        if args.print_config:
+            import yaml
+
+            print(yaml.safe_dump(cfg.resolved_dict(), sort_keys=False), end="")
+            return 0
+        run_experiment(cfg, run_dir=run_dir, resume=True, allow_numeric_change=args.allow_numeric_change, quiet=args.quiet > 0)
     else:
-        base = read_yaml(args.config) if args.config else {}
+        base = read_yaml(find_config(args.config)) if args.config else {}
         cfg = build_config(base, overrides)
-        run_experiment(cfg)
+        if args.print_config:
+            import yaml
+
+            print(yaml.safe_dump(cfg.resolved_dict(), sort_keys=False), end="")
+            return 0
+        run_experiment(cfg, quiet=args.quiet > 0)
     return 0
 
 
@@ -112,7 +125,7 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
     from .reproduce import available_presets, load_preset, reproduce
 
     if not args.preset:
-        print("presets: " + (", ".join(available_presets()) or "none found (run from the repository root)"))
+        print("presets: " + (", ".join(available_presets()) or "none found (this fedistill installation lacks its configs/reproduce package data; reinstall it)"))
         return 0
     if args.rounds is not None and args.rounds < 1:
         raise ConfigError(f"--rounds must be >= 1 (got {args.rounds})")
@@ -151,12 +164,74 @@ def cmd_list(args: argparse.Namespace) -> int:
         for name in reg.names():
             table.add_row(name, reg.describe(name))
         console.print(table)
+    # The configurations and presets that ship with the package (fedistill/configs), with the paper each
+    # preset reproduces: both are found from any directory.
+    from .reproduce import bundled_configs, config_summary, preset_summaries
+
+    shipped = (
+        ("configs (fedistill run --config NAME)", [(n, config_summary(p)) for n, p in bundled_configs().items()]),
+        ("reproduce presets (fedistill reproduce NAME): table and paper", preset_summaries()),
+    )  # fmt: skip
+    for title, rows in shipped:
+        table = Table(title=title, show_header=False, title_justify="left")
+        for name, text in rows:
+            table.add_row(name, text)
+        console.print(table if rows else f"{title}: none found (this installation lacks its configs package data)")
     return 0
 
 
+def _verbosity_flags() -> argparse.ArgumentParser:
+    """-v / -q, accepted before or after the command."""
+    flags = argparse.ArgumentParser(add_help=False)
+    flags.add_argument("-v", "--verbose", action="count", default=argparse.SUPPRESS, help="more log messages (-vv: debug)")
+    flags.add_argument("-q", "--quiet", action="count", default=argparse.SUPPRESS, help="only warnings, errors and the summary (no per-round lines)")
+    return flags
+
+
+class _CurrentStderrHandler(logging.StreamHandler):
+    """Writes to whatever ``sys.stderr`` is when a record is emitted (not the stream of the first call), so a
+    replaced stderr (a caller's redirection, pytest's capture) is followed."""
+
+    @property  # type: ignore[override]
+    def stream(self) -> Any:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value: Any) -> None:
+        pass
+
+
+def configure_logging(verbose: int, quiet: int) -> None:
+    """The library's loggers (``fedistill.*``): rich on a terminal, plain timestamped lines otherwise; INFO by
+    default, DEBUG with -vv, WARNING with -q."""
+    level = logging.WARNING if quiet else logging.DEBUG if verbose > 1 else logging.INFO
+    logger = logging.getLogger("fedistill")
+    logger.setLevel(level)
+    if getattr(logger, "_fedistill_handler", None) is None:
+        if sys.stderr.isatty():
+            from rich.console import Console
+            from rich.logging import RichHandler
+
+            handler: logging.Handler = RichHandler(console=Console(stderr=True), show_path=False)
+        else:
+            handler = _CurrentStderrHandler()
+            handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%Y-%m-%d %H:%M:%S"))
+        logger.addHandler(handler)
+        logger.propagate = False
+        logger._fedistill_handler = handler  # type: ignore[attr-defined]
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="fedistill", description="Federated learning on non-IID data through knowledge distillation.")
+    from . import __version__
+
+    flags = _verbosity_flags()
+    parser = argparse.ArgumentParser(
+        prog="fedistill", description="Federated learning on non-IID data through knowledge distillation.", parents=[flags]
+    )
+    parser.add_argument("--version", action="version", version=f"fedistill {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
+    _add_parser = sub.add_parser
+    sub.add_parser = lambda *a, **k: _add_parser(*a, parents=[flags], **k)  # type: ignore[method-assign]
     _add_run_parser(sub)
 
     p = sub.add_parser("partition", help="show a partition's client x class counts and save a heatmap")
@@ -176,7 +251,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target", type=float, default=None, help="target accuracy in percent for rounds-to-target")
 
     p = sub.add_parser("reproduce", help="run a paper's table (a preset) and print our numbers beside the published ones")
-    p.add_argument("preset", nargs="?", help="preset name (configs/reproduce/NAME.yaml) or path; omit to list them")
+    p.add_argument("preset", nargs="?", help="preset name (see `fedistill list`) or path to a preset YAML file; omit to list them")
     p.add_argument("--rounds", type=int, help="rounds per run (default: the paper's); more rounds later continue the runs")
     p.add_argument("--seeds", type=int, nargs="+", default=[0], help="training seeds (default 0)")
     p.add_argument("--methods", help="comma-separated subset of the preset's methods")
@@ -186,13 +261,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--download", action="store_true", help="download missing official dataset files")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="override a key in every run, e.g. run.workers=2")
 
-    sub.add_parser("list", help="list algorithms, datasets, models, generators and partitions")
+    sub.add_parser("list", help="list algorithms, datasets, models, generators, partitions, shipped configs and reproduce presets")
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.verbose, args.quiet = getattr(args, "verbose", 0), getattr(args, "quiet", 0)
+    configure_logging(args.verbose, args.quiet)
     handlers = {"run": cmd_run, "partition": cmd_partition, "compare": cmd_compare, "list": cmd_list, "reproduce": cmd_reproduce}
     try:
         return handlers[args.command](args)

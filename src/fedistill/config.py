@@ -167,6 +167,7 @@ class RunConfig(_Section):
     workers: int = Field(1, ge=1, description="client processes; workers x threads must not exceed the cores")
     tune_allocator: bool = Field(True, description="keep freed memory in glibc's heap (fewer page faults)")
     progress: bool = True
+    tensorboard: bool = Field(False, description="also write the per-round metrics for TensorBoard (extra: tensorboard)")
 
     @field_validator("name")
     @classmethod
@@ -264,6 +265,25 @@ class Config(_Section):
         tree = self.model_dump(mode="json")
         if not tree["algorithm"]["plus"]:
             del tree["algorithm"]["plus"]  # a plain method's saved config stays {name, params}
+        return tree
+
+    def resolved_dict(self) -> dict[str, Any]:
+        """:meth:`to_dict` with every default the run resolves written out, as ``config.yaml`` holds it: the
+        model, the augmentations, the partition seed, and every parameter of the algorithm and of each
+        ``plus`` part, after the combination settled their shared settings (compose.py), so that all parts
+        state the one value the run used. Building a config from it gives the same run."""
+        from .algorithms.build import make_algorithm
+
+        tree = self.to_dict()
+        if not (self.model.clients or self.model.client_mix):
+            tree["model"]["name"] = self.model_name()
+        tree["dataset"]["augment"] = self.augmentations()
+        tree["partition"]["seed"] = self.partition_seed()
+        algorithm = make_algorithm(self)
+        parts = getattr(algorithm, "parts", [algorithm])
+        tree["algorithm"] = {"name": self.algorithm.name, **parts[0].params.model_dump(mode="json")}
+        if len(parts) > 1:
+            tree["algorithm"]["plus"] = {part.name: part.params.model_dump(mode="json") for part in parts[1:]}
         return tree
 
 

@@ -8,13 +8,27 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.markup import escape
 from rich.table import Table
 
 from .config import Config
 from .errors import ConfigError, TrainingDiverged
 from .report.plots import accuracy_label, plot_accuracy, plot_class_distributions, plot_partition, plot_personal_accuracy
 from .report.rundir import RunDirectory, read_run
+from .report.environment import environment_info
+from .report.runlog import RoundLog
+
+
+def tensorboard_writer_class() -> Any:
+    """torch's TensorBoard ``SummaryWriter`` for ``run.tensorboard``, or a one-line error saying what to install."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:  # torch's writer needs the tensorboard package
+        raise ConfigError(
+            "run.tensorboard: the tensorboard package is not installed; install it with "
+            "`pip install 'fedistill[tensorboard]'` (or `pip install tensorboard`), or set run.tensorboard=false"
+        ) from None
+    return SummaryWriter
 
 
 def make_console() -> Console:
@@ -62,6 +76,7 @@ def run_experiment(
     resume: bool = False,
     console: Console | None = None,
     allow_numeric_change: bool = False,
+    quiet: bool = False,
 ) -> dict[str, Any]:
     """Run ``cfg`` into a run directory (a new one unless resuming); returns the summary.
 
@@ -74,6 +89,7 @@ def run_experiment(
 
     console = console or make_console()
     check_workers(cfg)
+    writer_class = tensorboard_writer_class() if cfg.run.tensorboard else None
     new_dir: tuple[str, str] | None = None
     if run_dir is None:
         default = f"{cfg.algorithm.display_name()}-{cfg.dataset.name}"
@@ -101,38 +117,42 @@ def run_experiment(
             )
         note = run_dir.begin_resume(sim.state.history, restored, cfg.rounds, sim.server_runtime.numeric_changes)
     if sim.state.round < cfg.rounds or not resume:
-        run_dir.write_config(cfg.to_dict())
+        run_dir.write_config(cfg.resolved_dict())
+        run_dir.write_environment(environment_info(cfg))
     counts = sim.federation.class_counts()
     run_dir.write_partition(counts)
     plot_partition(counts, run_dir.path / "partition.png", f"{cfg.partition.scheme}: {counts.shape[0]} clients")
 
-    start_round = sim.state.round
-    console.print(
-        f"[bold]{cfg.algorithm.display_name()}[/] on {cfg.dataset.name} ({describe_models(cfg)}), {cfg.partition.num_clients} clients "
+    key = "personal_accuracy" if cfg.accuracy_metric() == "personal" else "test_accuracy"
+    log = RoundLog(console, run_dir.path / "run.log", cfg.rounds, sim.state.round, key, progress=cfg.run.progress, quiet=quiet)
+    what = (
+        f"{cfg.algorithm.display_name()} on {cfg.dataset.name} ({describe_models(cfg)}), {cfg.partition.num_clients} clients "
         f"({cfg.partition.scheme}), {cfg.clients_per_round}/round, {cfg.rounds} rounds -> {run_dir.path}{note}"
     )
-    progress = Progress(
-        TextColumn("round {task.completed}/{task.total}"),
-        BarColumn(),
-        TextColumn("acc {task.fields[acc]}"),
-        TimeElapsedColumn(),
-        TextColumn("ETA"),
-        TimeRemainingColumn(),
-        console=console,
-        disable=not cfg.run.progress,
-        transient=False,
-    )
-    task = progress.add_task("rounds", total=cfg.rounds, completed=start_round, acc="-")
+    log.header(what, markup=f"[bold]{escape(cfg.algorithm.display_name())}[/]{escape(what[len(cfg.algorithm.display_name()):])}")
+    # Every numeric per-round metric, under tensorboard/ in the run directory.
+    board = writer_class(log_dir=str(run_dir.path / "tensorboard")) if writer_class is not None else None
 
     def on_round(row: dict[str, Any]) -> None:
         run_dir.append_metrics(row)
-        acc = row.get("personal_accuracy" if cfg.accuracy_metric() == "personal" else "test_accuracy")
-        progress.update(task, completed=row["round"], **({"acc": f"{acc:.2f}%"} if acc is not None else {}))
+        log.round(row)
+        if board is not None:
+            for name, value in row.items():
+                if isinstance(value, (int, float)) and not isinstance(value, bool) and name != "round":
+                    board.add_scalar(name, value, row["round"])
+            board.flush()
 
     sim.on_round = on_round
     try:
-        with progress:
-            history = sim.run()
+        with log:
+            try:
+                history = sim.run()
+            except TrainingDiverged as exc:
+                log.note(f"diverged: {exc}")
+                raise
+            except KeyboardInterrupt:
+                log.note(f"interrupted after round {sim.state.round}")
+                raise
     except TrainingDiverged:
         run_dir.write_csv(sim.state.history)
         run_dir.write_summary({**summarise(sim.state.history, cfg.eval.target_accuracy, cfg.accuracy_metric()), "status": "diverged"})
@@ -140,6 +160,9 @@ def run_experiment(
     except KeyboardInterrupt:
         run_dir.write_csv(sim.state.history)
         raise
+    finally:
+        if board is not None:
+            board.close()
     summary = summarise(history, cfg.eval.target_accuracy, cfg.accuracy_metric())
     summary["status"] = "finished"
     summary["run_dir"] = str(run_dir.path)
@@ -148,7 +171,12 @@ def run_experiment(
     summary["model_parameters"] = num_flat(sim.server.model)
     run_dir.write_csv(history)
     run_dir.write_summary(summary)
-    key = "personal_accuracy" if cfg.accuracy_metric() == "personal" else "test_accuracy"
+    with open(run_dir.path / "run.log", "a", encoding="utf-8") as f:
+        f.write(
+            f"{time.strftime('%Y-%m-%d %H:%M:%S')} finished: final {summary['accuracy_metric']} accuracy "
+            f"{_fmt(summary.get('final_accuracy'))}%, best {_fmt(summary.get('best_accuracy'))}% "
+            f"(round {summary.get('best_round', '-')}), {_fmt(summary.get('seconds'), '.1f')} s\n"
+        )
     curve = [(r["round"], r[key]) for r in history if r.get(key) is not None]
     plot_accuracy(
         {cfg.algorithm.display_name(): curve}, run_dir.path / "accuracy.png", cfg.eval.target_accuracy, ylabel=accuracy_label(key)
@@ -159,27 +187,45 @@ def run_experiment(
     return summary
 
 
+SUMMARY_COLUMNS = ("run", "rounds", "final acc %", "best acc %", "best round", "to target", "down", "up", "seconds")
+
+
+def _summary_cells(s: dict[str, Any]) -> list[str]:
+    target = s.get("target_accuracy")
+    to_target = "-" if target is None else (str(s["rounds_to_target"]) if s.get("rounds_to_target") else "not reached")
+    return [
+        str(s.get("rounds", "-")),
+        _fmt(s.get("final_accuracy")),
+        _fmt(s.get("best_accuracy")),
+        str(s.get("best_round", "-")),
+        to_target,
+        _bytes(s.get("bytes_down")),
+        _bytes(s.get("bytes_up")),
+        _fmt(s.get("seconds"), ".1f"),
+    ]
+
+
 def print_summary(console: Console, summaries: dict[str, dict[str, Any]]) -> None:
+    """The summary table; under 110 columns (an 80-column terminal) one block per run instead, with the same
+    fields as ``name value`` pairs wrapped to the width: nothing is cut or dropped."""
+    if console.width < 110:
+        import textwrap
+
+        console.print("summary", highlight=False)
+        for name, s in summaries.items():
+            pairs = [f"{col} {value}" for col, value in zip(SUMMARY_COLUMNS[1:], _summary_cells(s))]
+            console.print(textwrap.fill(name, console.width, break_on_hyphens=False), highlight=False, markup=False)
+            body = textwrap.fill(" | ".join(pairs), console.width, initial_indent="  ", subsequent_indent="  ", break_on_hyphens=False)
+            console.print(body, highlight=False, markup=False)
+        return
     table = Table(title="summary", title_justify="left")
-    for col in ("run", "rounds", "final acc %", "best acc %", "best round", "to target", "down", "up", "seconds"):
+    for col in SUMMARY_COLUMNS:
         if col == "run":
             table.add_column(col, justify="left", overflow="fold", min_width=28)  # names must stay readable
         else:
             table.add_column(col, justify="right")
     for name, s in summaries.items():
-        target = s.get("target_accuracy")
-        to_target = "-" if target is None else (str(s["rounds_to_target"]) if s.get("rounds_to_target") else "not reached")
-        table.add_row(
-            name,
-            str(s.get("rounds", "-")),
-            _fmt(s.get("final_accuracy")),
-            _fmt(s.get("best_accuracy")),
-            str(s.get("best_round", "-")),
-            to_target,
-            _bytes(s.get("bytes_down")),
-            _bytes(s.get("bytes_up")),
-            _fmt(s.get("seconds"), ".1f"),
-        )
+        table.add_row(name, *_summary_cells(s))
     console.print(table)
 
 

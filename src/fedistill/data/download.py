@@ -475,7 +475,8 @@ def download_official(
         try:
             return download_file(url, dest, md5, timeout=timeout, progress=progress, report=reporter)
         except DatasetError as exc:
-            log.warning("%s", exc)
+            # Shown by the progress reporter (and in the final error); the log keeps it at debug level.
+            log.debug("%s", exc)
             failures.append(str(exc))
     raise DatasetError(
         f"could not download {filename} for {dataset}: " + " | ".join(failures)

@@ -143,6 +143,15 @@ def kl_from_uniform(counts: torch.Tensor) -> float:
     return float(np.log(p.numel()) + (nonzero * nonzero.log()).sum())
 
 
+def resolved_config(saved: dict[str, Any]) -> dict[str, Any]:
+    """A checkpoint's configuration with every default written out (Config.resolved_dict), so that one saved
+    before the resolved form existed compares equal to the same run's; as saved if this version cannot read it."""
+    try:
+        return Config.model_validate(saved).resolved_dict()
+    except (ValueError, ConfigError):  # pydantic's ValidationError is a ValueError
+        return saved
+
+
 # {client id: personal_message} -> {client id: evaluation reply} (ServerRuntime.evaluate_assembled)
 ClientEvaluator = Callable[[RoundInfo, dict[int, Message]], dict[int, Message]]
 
@@ -244,7 +253,7 @@ class ServerRuntime:
         save_checkpoint(
             self.checkpoint_path,
             {
-                "config": self.cfg.to_dict(),
+                "config": self.cfg.resolved_dict(),
                 "numerics": run_numerics(self.cfg),
                 "round": self.state.round,
                 "global_model": self.server.model.state_dict(),
@@ -271,8 +280,9 @@ class ServerRuntime:
             return False
         payload = load_checkpoint(path)
         self.numeric_changes = check_compatible(
-            payload["config"], self.cfg.to_dict(), payload.get("numerics"), run_numerics(self.cfg), allow_numeric_change, hint
-        )
+            resolved_config(payload["config"]), self.cfg.resolved_dict(), payload.get("numerics"), run_numerics(self.cfg),
+            allow_numeric_change, hint,
+        )  # fmt: skip
         self.server.model.load_state_dict(payload["global_model"])
         self.server.state = payload["server_state"]
         store = self.client_store

@@ -212,8 +212,8 @@ def _run_to_continue(settings: FlowerSettings, cfg: Config) -> Path:
             "or start a new run in another directory without resume=true: --run-config 'run-dir=\"<new run directory>\"'"
         )
     saved_path = path / "config.yaml"
-    saved = _flat(build_config(RunDirectory(path).read_config(), {}, source=str(saved_path)).to_dict())
-    current = _flat(cfg.to_dict())
+    saved = _flat(build_config(RunDirectory(path).read_config(), {}, source=str(saved_path)).resolved_dict())
+    current = _flat(cfg.resolved_dict())
     for key in sorted(set(saved) | set(current)):
         if key.split(".")[0] in RESUMABLE_DIFFERENCES or saved.get(key) == current.get(key):
             continue
@@ -256,6 +256,7 @@ def run_server(grid: Grid, cfg: Config, settings: FlowerSettings) -> dict[str, A
     from ..models.flat import num_flat
     from ..report.plots import accuracy_label, plot_accuracy, plot_class_distributions, plot_partition, plot_personal_accuracy
     from ..report.rundir import RunDirectory
+    from ..report.environment import environment_info
     from ..runner import load_dataset_for
 
     cfg = with_client_threads(cfg)
@@ -301,7 +302,8 @@ def run_server(grid: Grid, cfg: Config, settings: FlowerSettings) -> dict[str, A
             ) from None
         run_dir = RunDirectory.create(path.parent, path.name, path.name, continue_hint=continue_command(path))
     if not settings.resume or runtime.state.round < cfg.rounds:
-        run_dir.write_config(cfg.to_dict())
+        run_dir.write_config(cfg.resolved_dict())
+        run_dir.write_environment(environment_info(cfg))
     counts = federation.class_counts()
     run_dir.write_partition(counts)
     plot_partition(counts, run_dir.path / "partition.png", f"{cfg.partition.scheme}: {num_clients} clients")

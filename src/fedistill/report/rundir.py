@@ -168,6 +168,9 @@ class RunDirectory:
         body = "".join(f"{rnd},{kind}," + ",".join(str(int(v)) for v in counts) + "\n" for rnd, kind, counts in rows)
         _atomic_write(self.path / "class_distributions.csv", header + body)
 
+    def write_environment(self, info: dict[str, Any]) -> None:
+        _atomic_write(self.path / "environment.json", json.dumps({k: _clean(v) for k, v in info.items()}, indent=2) + "\n")
+
     def write_summary(self, summary: dict[str, Any]) -> None:
         _atomic_write(self.path / "summary.json", json.dumps({k: _clean(v) for k, v in summary.items()}, indent=2) + "\n")
 
