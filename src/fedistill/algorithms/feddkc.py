@@ -40,6 +40,8 @@ class FedDKCParams(FedGKTParams):
 
 @ALGORITHMS.register("feddkc")
 class FedDKC(FedGKT):
+    """FedDKC: FedGKT with the server distilling from refined client knowledge (KKR or SKR)."""
+
     name = "feddkc"
     Params = FedDKCParams
 

@@ -69,6 +69,8 @@ class FedGKTParams(AlgorithmParams):
 
 @ALGORITHMS.register("fedgkt")
 class FedGKT(Algorithm):
+    """FedGKT: clients upload features and logits of their samples, the server trains on them and returns per-sample knowledge."""
+
     name = "fedgkt"
     Params = FedGKTParams
     exchange: ClassVar[str] = "knowledge"

@@ -53,6 +53,8 @@ class FedICTParams(FedGKTParams):
 
 @ALGORITHMS.register("fedict")
 class FedICT(FedGKT):
+    """FedICT: federated multi-task distillation with class-weighted client (FPKD) and server (LKA) knowledge."""
+
     name = "fedict"
     Params = FedICTParams
     labels_every_round = False
