@@ -458,6 +458,16 @@ def validate_names(cfg: Config) -> None:
     AugmentSpec.from_names(cfg.augmentations())
 
 
+def resolved_config(saved: dict[str, Any]) -> dict[str, Any]:
+    """A saved configuration (config.yaml, a checkpoint's) with every default written out
+    (:meth:`Config.resolved_dict`), so that one saved before the resolved form existed compares equal to the
+    same run's; as saved if this version cannot read it (it is then reported as different by the caller)."""
+    try:
+        return Config.model_validate(saved).resolved_dict()
+    except (ValidationError, ConfigError):
+        return saved
+
+
 def algorithm_params(algo_cls: Any, cfg: Config) -> Any:
     return part_params(algo_cls, cfg.algorithm.name, cfg.algorithm.params_dict(), prefix="algorithm")
 

@@ -227,20 +227,11 @@ class RunResult:
 
 
 def _stripped(config: dict[str, Any]) -> dict[str, Any]:
-    """The parts of a saved config that decide its numbers, with keys a later version added filled in.
+    """The parts of a saved config that decide its numbers, resolved (every default written out, keys a later
+    version added filled in), so a run saved before a setting existed compares equal to the same run now."""
+    from .config import resolved_config
 
-    A run saved before a setting existed (``dataset.resize`` arrived after many tables were run) holds the
-    setting's default by construction, so it is validated again to fill it rather than refused as different.
-    """
-    from pydantic import ValidationError
-
-    from .config import Config
-
-    try:
-        config = Config.model_validate(config).resolved_dict()
-    except (ValidationError, ConfigError):
-        pass  # a config this version cannot read is compared as written, and then reported as different
-    return {k: v for k, v in config.items() if k not in ("rounds", "run")}
+    return {k: v for k, v in resolved_config(config).items() if k not in ("rounds", "run")}
 
 
 def ensure_run(cfg, run_path: Path, console) -> tuple[list[dict[str, Any]], bool]:

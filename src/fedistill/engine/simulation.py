@@ -18,7 +18,7 @@ import torch
 from ..algorithms.base import EVAL_PREFIX, Algorithm, ClientContext, Message, RoundInfo, ServerContext
 from ..algorithms.local import evaluate
 from ..algorithms.build import make_algorithm  # noqa: F401  (re-exported: tests and tools use it from here)
-from ..config import Config
+from ..config import Config, resolved_config
 from ..data.dataset import Dataset
 from ..data.pipeline import AugmentSpec, TensorPipeline
 from ..errors import ConfigError, TrainingDiverged
@@ -141,15 +141,6 @@ def kl_from_uniform(counts: torch.Tensor) -> float:
     p = counts.double() / counts.sum().clamp_min(1)
     nonzero = p[p > 0]
     return float(np.log(p.numel()) + (nonzero * nonzero.log()).sum())
-
-
-def resolved_config(saved: dict[str, Any]) -> dict[str, Any]:
-    """A checkpoint's configuration with every default written out (Config.resolved_dict), so that one saved
-    before the resolved form existed compares equal to the same run's; as saved if this version cannot read it."""
-    try:
-        return Config.model_validate(saved).resolved_dict()
-    except (ValueError, ConfigError):  # pydantic's ValidationError is a ValueError
-        return saved
 
 
 # {client id: personal_message} -> {client id: evaluation reply} (ServerRuntime.evaluate_assembled)
