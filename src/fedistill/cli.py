@@ -47,6 +47,11 @@ def _add_run_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--download", action="store_true", default=None, help="download missing official dataset files")
     p.add_argument("--no-verify", action="store_true", help="skip md5 checks of dataset files (custom copies)")
     p.add_argument("--resume", metavar="RUN_DIR", help="continue an interrupted run from its checkpoint")
+    p.add_argument(
+        "--seeds", type=int, nargs="*", default=None, metavar="SEED",
+        help="run once per seed: a group directory OUT/NAME holding seed0/, seed1/, ... and group.json/group.md "
+        "(mean and std over the seeds); not with --seed or --resume",
+    )  # fmt: skip
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--print-config", action="store_true", help="print the fully resolved configuration (as config.yaml will hold it) and exit")
     p.add_argument(
@@ -83,6 +88,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     overrides = dict(_overrides_from_args(args))
     if args.allow_numeric_change and not args.resume:
         raise ConfigError("--allow-numeric-change goes with --resume RUN_DIR")
+    if args.seeds is not None:
+        return _run_seeds(args, overrides)
     if args.resume:
         if args.config:
             raise ConfigError("--resume takes its config from the run directory; drop --config")
@@ -104,6 +111,31 @@ def cmd_run(args: argparse.Namespace) -> int:
             print(yaml.safe_dump(cfg.resolved_dict(), sort_keys=False), end="")
             return 0
         run_experiment(cfg, quiet=args.quiet > 0)
+    return 0
+
+
+def _run_seeds(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
+    """``run --seeds``: one run directory per seed in a group directory (runner.run_seed_group). With
+    ``--print-config`` the first seed's config.yaml is printed, after a comment line naming the seeds."""
+    from .config import read_yaml
+    from .reproduce import find_config
+    from .runner import run_seed_group, seed_group_configs
+
+    if args.resume:
+        raise ConfigError("--seeds starts a new group of runs; continue one seed's run with --resume GROUP_DIR/seedN, without --seeds")
+    base = read_yaml(find_config(args.config)) if args.config else {}
+    if args.print_config:
+        import yaml
+
+        path, configs = seed_group_configs(base, overrides, args.seeds)
+        seed, cfg = next(iter(configs.items()))
+        print(
+            f"# seed {seed}, the first of --seeds {' '.join(map(str, configs))} (group {path}); the other seeds' config.yaml "
+            "differ in seed, run.name and partition.seed (unless set)"
+        )
+        print(yaml.safe_dump(cfg.resolved_dict(), sort_keys=False), end="")
+        return 0
+    run_seed_group(base, overrides, args.seeds, quiet=args.quiet > 0)
     return 0
 
 
@@ -242,12 +274,19 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument(flag, dest=key, type=typ, default=None, help=f"{help_text} [{key}]")
     p.add_argument("--download", action="store_true", default=None)
     p.add_argument("--no-verify", action="store_true")
-    p.add_argument("--out", default="partition.png", help="heatmap PNG path (default partition.png)")
+    p.add_argument(
+        "--out", default="partition.png", help="heatmap file; its extension picks the format: .png, .pdf or .svg (default partition.png)"
+    )
+    p.add_argument("--percent", action="store_true", help="colour each client's row as a percentage of that client's samples")
     p.add_argument("--max-rows", type=int, default=30, help="clients shown in the printed matrix")
 
     p = sub.add_parser("compare", help="compare run directories: table and overlaid accuracy curves")
-    p.add_argument("runs", nargs="+", help="run directories")
-    p.add_argument("--out", help="PNG for the overlaid curves (default: compare.png in the current directory)")
+    p.add_argument("runs", nargs="+", help="run directories and seed groups (run --seeds: mean ± std over the seeds)")
+    p.add_argument(
+        "--out",
+        help="file for the overlaid curves; its extension picks the format: .png, .pdf or .svg (default: compare.png in "
+        "the current directory); the class-distribution heatmaps go beside it as NAME_class_distributions.EXT",
+    )
     p.add_argument("--target", type=float, default=None, help="target accuracy in percent for rounds-to-target")
 
     p = sub.add_parser("reproduce", help="run a paper's table (a preset) and print our numbers beside the published ones")

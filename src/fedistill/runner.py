@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from rich.console import Console
 from rich.markup import escape
@@ -13,7 +13,7 @@ from rich.table import Table
 
 from .config import Config
 from .errors import ConfigError, TrainingDiverged
-from .report.plots import accuracy_label, plot_accuracy, plot_class_distributions, plot_partition, plot_personal_accuracy
+from .report.plots import accuracy_label, config_title, plot_accuracy, plot_class_distributions, plot_partition, plot_personal_accuracy
 from .report.rundir import RunDirectory, read_run
 from .report.environment import environment_info
 from .report.runlog import RoundLog
@@ -56,7 +56,7 @@ def load_dataset_for(cfg: Config, data_dir: str | None = None, download: bool | 
     from .data.dataset import resized
     from .data.sources import load_dataset
 
-    options = {"split": cfg.dataset.split} if cfg.dataset.split is not None else {}
+    options = cfg.dataset_options()  # the EMNIST split; the synthetic federation's clients, seed and options
     dataset = load_dataset(
         cfg.dataset.name,
         data_dir if data_dir is not None else cfg.dataset.data_dir,
@@ -121,7 +121,7 @@ def run_experiment(
         run_dir.write_environment(environment_info(cfg))
     counts = sim.federation.class_counts()
     run_dir.write_partition(counts)
-    plot_partition(counts, run_dir.path / "partition.png", f"{cfg.partition.scheme}: {counts.shape[0]} clients")
+    plot_partition(counts, run_dir.path / "partition.png", config_title(cfg))  # the same title as `fedistill partition`
 
     key = "personal_accuracy" if cfg.accuracy_metric() == "personal" else "test_accuracy"
     log = RoundLog(console, run_dir.path / "run.log", cfg.rounds, sim.state.round, key, progress=cfg.run.progress, quiet=quiet)
@@ -178,11 +178,11 @@ def run_experiment(
             f"(round {summary.get('best_round', '-')}), {_fmt(summary.get('seconds'), '.1f')} s\n"
         )
     curve = [(r["round"], r[key]) for r in history if r.get(key) is not None]
-    plot_accuracy(
-        {cfg.algorithm.display_name(): curve}, run_dir.path / "accuracy.png", cfg.eval.target_accuracy, ylabel=accuracy_label(key)
-    )
-    plot_personal_accuracy(history, run_dir.path / "personal_accuracy.png", cfg.algorithm.display_name())
-    plot_class_distributions({cfg.algorithm.display_name(): history}, run_dir.path / "class_distributions.png")
+    algorithm = cfg.algorithm.display_name()
+    title = config_title(cfg, extra=algorithm)
+    plot_accuracy({algorithm: curve}, run_dir.path / "accuracy.png", cfg.eval.target_accuracy, ylabel=accuracy_label(key), title=title)
+    plot_personal_accuracy(history, run_dir.path / "personal_accuracy.png", algorithm, title=title)
+    plot_class_distributions({algorithm: history}, run_dir.path / "class_distributions.png", title=config_title(cfg))
     print_summary(console, {run_dir.path.name: summary})
     return summary
 
@@ -229,6 +229,125 @@ def print_summary(console: Console, summaries: dict[str, dict[str, Any]]) -> Non
     console.print(table)
 
 
+def print_rows(console: Console, title: str, columns: Sequence[str], rows: dict[str, list[str]]) -> None:
+    """A table of already formatted cells (the first column is the row's name); under 110 columns one wrapped
+    block of ``column value`` pairs per row, as :func:`print_summary` does."""
+    if console.width < 110:
+        import textwrap
+
+        console.print(title, highlight=False, markup=False)
+        for name, cells in rows.items():
+            pairs = [f"{col} {value}" for col, value in zip(columns[1:], cells)]
+            console.print(textwrap.fill(name, console.width, break_on_hyphens=False), highlight=False, markup=False)
+            body = textwrap.fill(" | ".join(pairs), console.width, initial_indent="  ", subsequent_indent="  ", break_on_hyphens=False)
+            console.print(body, highlight=False, markup=False)
+        return
+    table = Table(title=escape(title), title_justify="left")
+    for i, col in enumerate(columns):
+        if i == 0:
+            table.add_column(col, justify="left", overflow="fold", min_width=20)
+        else:
+            table.add_column(col, justify="right")
+    for name, cells in rows.items():
+        table.add_row(escape(name), *(escape(c) for c in cells))
+    console.print(table)
+
+
+GROUP_COLUMNS = ("seed", "status", "rounds", "final acc %", "best acc %", "best round", "to target", "seconds")
+
+
+def print_group_summary(console: Console, group: dict[str, Any], title: str) -> None:
+    """The group summary of ``run --seeds``: one row per seed, then mean ± std over the seeds."""
+    from .report.groups import format_stat, format_to_target
+
+    target = group.get("target_accuracy")
+    rows: dict[str, list[str]] = {}
+    for e in group["runs"]:
+        to_target = "-" if target is None else (str(e["rounds_to_target"]) if e["rounds_to_target"] is not None else "not reached")
+        rows[f"seed {e['seed']} ({e['dir']})"] = [
+            str(e.get("status") or "-"), str(e.get("rounds", "-")), _fmt(e.get("final_accuracy")), _fmt(e.get("best_accuracy")),
+            str(e.get("best_round") or "-"), to_target, _fmt(e.get("seconds"), ".1f"),
+        ]  # fmt: skip
+    rows[f"mean ± std ({group['counted']} seeds)"] = [
+        "", "", format_stat(group["final_accuracy"]), format_stat(group["best_accuracy"]),
+        format_stat(group["best_round"], ".1f"), format_to_target(group), format_stat(group["seconds"], ".1f"),
+    ]  # fmt: skip
+    print_rows(console, title, GROUP_COLUMNS, rows)
+
+
+def seed_group_configs(base: dict[str, Any], overrides: dict[str, Any], seeds: Sequence[int]) -> tuple[Path, dict[int, Config]]:
+    """The group directory of ``run --seeds`` and every seed's validated config (all built before any runs,
+    so a bad value fails first). Each seed's run goes to ``<group>/seed<s>``; the group is
+    ``<run.out_dir>/<run.name>`` (default ``ALGORITHM-DATASET-TIME`` like a single run's directory)."""
+    from .config import build_config
+    from .report.groups import check_seeds, seed_dir_name
+
+    seeds = check_seeds(seeds)
+    if "seed" in overrides:
+        raise ConfigError("--seeds and --seed (or --set seed=...) exclude each other; list every seed in --seeds")
+    first = build_config(base, overrides)
+    default = f"{first.algorithm.display_name()}-{first.dataset.name}"
+    name = first.run.name or f"{default}-{time.strftime('%Y%m%d-%H%M%S')}"
+    path = RunDirectory.location(first.run.out_dir, name, default)
+    configs = {s: build_config(base, {**overrides, "seed": s, "run.out_dir": str(path), "run.name": seed_dir_name(s)}) for s in seeds}
+    return path, configs
+
+
+def run_seed_group(
+    base: dict[str, Any], overrides: dict[str, Any], seeds: Sequence[int], console: Console | None = None, quiet: bool = False
+) -> dict[str, Any]:
+    """``fedistill run --seeds``: the config ``base`` with ``overrides`` once per seed, in sequence, each an
+    ordinary run directory ``<group>/seed<s>``; ``group.json`` and ``group.md`` are rewritten after every
+    seed, so an interrupted group keeps the summary of the seeds it finished. A seed whose run diverges is
+    recorded (status ``diverged``, left out of the means) and the next seed runs; the group then ends with
+    :class:`TrainingDiverged`. Returns the group summary."""
+    from .report.groups import group_summary, seed_dir_name, write_group
+
+    console = console or make_console()
+    path, configs = seed_group_configs(base, overrides, seeds)
+    if path.exists() and any(path.iterdir()):
+        raise ConfigError(
+            f"run.name: group directory {path} already exists; choose another name with --name (or another --out); "
+            f"continue one of its seeds with fedistill run --resume {path}/seedN"
+        )
+    first = next(iter(configs.values()))
+    seeds = list(configs)
+    title = f"group summary: {path.name} ({first.algorithm.display_name()} on {first.dataset.name}, seeds {' '.join(map(str, seeds))})"
+    summaries: dict[int, dict[str, Any]] = {}
+    diverged: list[int] = []
+    group: dict[str, Any] = {}
+    for i, (seed, cfg) in enumerate(configs.items(), 1):
+        run_path = path / seed_dir_name(seed)
+        if not quiet:
+            console.print(f"seed {seed} ({i}/{len(seeds)}) -> {run_path}", highlight=False, markup=False)
+        try:
+            summaries[seed] = run_experiment(cfg, console=console, quiet=quiet)
+        except TrainingDiverged as exc:
+            _, _, saved = read_run(run_path, require_metrics=False)
+            summaries[seed] = {**saved, "status": "diverged", "run_dir": str(run_path)}
+            diverged.append(seed)
+            console.print(f"seed {seed} diverged ({exc}); going on with the next seed", highlight=False, markup=False)
+        except KeyboardInterrupt:
+            left = " ".join(map(str, seeds[i:]))
+            console.print(
+                f"group {path}: " + (f"group.json holds seeds {' '.join(map(str, summaries))}" if summaries else "no seed finished")
+                + f"; seed {seed} was interrupted (continue it with "
+                f"fedistill run --resume {run_path})" + (f"; seeds {left} did not run" if left else ""),
+                highlight=False, markup=False,
+            )  # fmt: skip
+            raise
+        group = {"name": path.name, "planned_seeds": seeds, "complete": len(summaries) == len(seeds), **group_summary(summaries)}
+        write_group(path, group, title)
+    print_group_summary(console, group, title)
+    console.print(f"group summary: {path / 'group.json'} and group.md", highlight=False, markup=False)
+    if diverged:
+        raise TrainingDiverged(
+            f"seed(s) {', '.join(map(str, diverged))} of group {path} diverged; the group summary leaves them out "
+            f"(their run directories keep the last good checkpoint)"
+        )
+    return group
+
+
 def describe_models(cfg: Any) -> str:
     """The model(s) a run trains, for its first log line: one name, or the client and server architectures."""
     names = cfg.model.client_model_names()
@@ -246,30 +365,88 @@ def saved_accuracy_metric(config: dict[str, Any]) -> str:
     return metric
 
 
+COMPARE_COLUMNS = ("run", "seeds", "rounds", "final acc %", "best acc %", "best round", "to target", "down", "up", "seconds")
+
+
+def _group_cells(group: dict[str, Any], rounds: set[int]) -> list[str]:
+    """A seed group's row of the comparison table: means ± sample std over its seeds."""
+    from .report.groups import format_stat, format_to_target
+
+    count = str(len(group["runs"])) if group["counted"].split("/")[0] == str(len(group["runs"])) else group["counted"]
+    mean = lambda name: (group[name] or {}).get("mean")  # noqa: E731
+    return [
+        count, "-" if not rounds else str(min(rounds)) if len(rounds) == 1 else f"{min(rounds)}-{max(rounds)}",
+        format_stat(group["final_accuracy"]), format_stat(group["best_accuracy"]), format_stat(group["best_round"], ".1f"),
+        format_to_target(group), _bytes(mean("bytes_down")), _bytes(mean("bytes_up")), format_stat(group["seconds"], ".1f"),
+    ]  # fmt: skip
+
+
 def compare_runs(paths: list[str], out: Path | None = None, target: float | None = None, console: Console | None = None) -> None:
+    """``fedistill compare``: the summary table, the overlaid accuracy curves and the class-distribution
+    heatmaps of run directories and seed groups (``run --seeds``; a directory holding ``group.json``, or run
+    directories without one of its own). A group is one row, its final and best accuracy as mean ± sample
+    std over its seeds, and one curve, the per-round mean over the rounds every seed has, with a ±1 std band;
+    its class-distribution heatmaps are its first seed's. A seed whose run diverged is left out of both."""
     from .engine.simulation import summarise
+    from .report.groups import group_members, group_summary, mean_curve
 
     console = console or make_console()
     summaries: dict[str, dict[str, Any]] = {}
+    cells: dict[str, list[str]] = {}  # rows of the table with groups
     curves: dict[str, list[tuple[int, float]]] = {}
+    bands: dict[str, tuple[list[int], list[float], list[float]]] = {}
     histories: dict[str, list[dict[str, Any]]] = {}
     metrics: set[str] = set()
-    for p in paths:
-        path = Path(p)
-        config, rows, summary = read_run(path)
+
+    def load(path: Path) -> tuple[dict[str, Any], list[dict[str, Any]], dict[str, Any], list[tuple[int, float]]]:
+        config, rows, saved = read_run(path)
         goal = target if target is not None else (config.get("eval") or {}).get("target_accuracy")
-        name = path.name
-        if name in summaries:
-            name = str(path)
         metric = saved_accuracy_metric(config)
         metrics.add(metric)
         key = "personal_accuracy" if metric == "personal" else "test_accuracy"
-        summaries[name] = summarise(rows, goal, metric)  # recomputed so that a common --target applies to all
-        curves[name] = [(r["round"], r[key]) for r in rows if r.get(key) is not None]
-        histories[name] = rows
-    print_summary(console, summaries)
+        summary = summarise(rows, goal, metric)  # recomputed so that a common --target applies to all
+        summary.update({"status": saved.get("status"), "run_dir": str(path)})
+        return config, rows, summary, [(r["round"], r[key]) for r in rows if r.get(key) is not None]
+
+    for p in paths:
+        path = Path(p)
+        name = path.name
+        if name in summaries:
+            name = str(path)
+        members = group_members(path)
+        if members is None:
+            config, rows, summary, curve = load(path)
+            summaries[name] = summary
+            cells[name] = ["1", *_summary_cells(summary)]
+            curves[name] = curve
+            histories[name] = rows
+            continue
+        per_seed: dict[Any, dict[str, Any]] = {}
+        kept: list[list[tuple[int, float]]] = []
+        for member in members:
+            config, rows, summary, curve = load(member)
+            seed = config.get("seed")
+            seed = seed if isinstance(seed, int) and seed not in per_seed else member.name
+            if not per_seed:
+                histories[f"{name} (seed {seed})"] = rows
+            per_seed[seed] = summary
+            if summary.get("status") != "diverged":
+                kept.append(curve)
+        group = group_summary(per_seed)
+        summaries[name] = group
+        rounds, mean, std = mean_curve(kept)
+        cells[name] = _group_cells(group, {s["rounds"] for s in per_seed.values() if s.get("status") != "diverged"})
+        label = f"{name} ({len(kept)} seeds, mean ± 1 std)" if len(kept) > 1 else f"{name} ({len(kept)} seed)"
+        curves[label] = list(zip(rounds, mean))
+        if len(kept) > 1:
+            bands[label] = (rounds, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)])
+    if any("runs" in s for s in summaries.values()):  # a group: the table with the seeds column
+        print_rows(console, "summary", COMPARE_COLUMNS, cells)
+    else:
+        print_summary(console, summaries)
     out = out or Path("compare.png")
-    plot_accuracy(curves, out, target, ylabel=accuracy_label("personal_accuracy" if metrics == {"personal"} else "test_accuracy"))
+    ylabel = accuracy_label("personal_accuracy" if metrics == {"personal"} else "test_accuracy")
+    plot_accuracy(curves, out, target, ylabel=ylabel, bands=bands or None)
     console.print(f"curves: {out}")
     distributions = out.with_name(f"{out.stem}_class_distributions{out.suffix or '.png'}")
     if plot_class_distributions(histories, distributions):
@@ -317,5 +494,5 @@ def show_partition(args: argparse.Namespace, console: Console | None = None) -> 
         st.add_row(key, f"{value:.4g}" if isinstance(value, float) else str(value))
     console.print(st)
     out = Path(args.out)
-    plot_partition(counts, out, f"{cfg.dataset.name} {cfg.partition.scheme}")
+    plot_partition(counts, out, config_title(cfg), percent=getattr(args, "percent", False))  # the same title as the run directory's
     console.print(f"heatmap: {out}")
