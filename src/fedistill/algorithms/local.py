@@ -71,7 +71,8 @@ def local_sgd(
     optimizer = torch.optim.SGD(
         model.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay, fused=client.device.type in ("cpu", "cuda")
     )
-    loss_sum = torch.zeros((), dtype=torch.float64)
+    # On the client's device: a CPU accumulator would copy (and so synchronise) an accelerator's loss every step.
+    loss_sum = torch.zeros((), dtype=torch.float64, device=client.device)
     steps = seen = 0
     for _ in range(epochs):
         for x, y in client.data.epoch_batches(client.train_indices, batch_size, client.generator):
@@ -118,23 +119,24 @@ def evaluate(
     """Top-1 accuracy, mean cross-entropy and the predicted-class histogram of ``model`` over ``(x, y)``
     batches; with ``per_sample`` also which samples were right (personalised accuracy per client split)."""
     model.eval()
-    correct = torch.zeros((), dtype=torch.int64)
-    loss_sum = torch.zeros((), dtype=torch.float64)
+    # Accumulated on the model's device and read once at the end: no host synchronisation per batch.
+    correct: torch.Tensor | int = 0
+    loss_sum: torch.Tensor | float = 0.0
     predicted: torch.Tensor | None = None
     hits: list[torch.Tensor] = []
     n = 0
     for xb, yb in batches:
         with autocast_context(precision, xb.device):
             logits = model(xb).float()
-        loss_sum += F.cross_entropy(logits, yb, reduction="sum").double().cpu()
+        loss_sum = loss_sum + F.cross_entropy(logits, yb, reduction="sum").double()
         guesses = logits.argmax(1)
         right = guesses == yb
-        correct += right.sum().cpu()
+        correct = correct + right.sum()
         if per_sample:
-            hits.append(right.cpu())
-        counts = torch.bincount(guesses, minlength=logits.shape[1]).cpu()
+            hits.append(right)
+        counts = torch.bincount(guesses, minlength=logits.shape[1])
         predicted = counts if predicted is None else predicted + counts
         n += yb.shape[0]
     if n == 0 or predicted is None:
         raise ValueError("evaluate: no samples")
-    return Evaluation(float(correct) / n, float(loss_sum) / n, predicted, torch.cat(hits) if per_sample else None)
+    return Evaluation(float(correct) / n, float(loss_sum) / n, predicted.cpu(), torch.cat(hits).cpu() if per_sample else None)

@@ -45,7 +45,7 @@ class Scaffold(FedAvg):
     # -- client ---------------------------------------------------------------------------------
     def _client_control(self, client: ClientContext, size: int) -> torch.Tensor:
         if "scaffold_c" not in client.state:
-            client.state["scaffold_c"] = torch.zeros(size)  # c_k starts at 0 (card §2)
+            client.state["scaffold_c"] = torch.zeros(size, device=client.device)  # c_k starts at 0 (card §2)
         return client.state["scaffold_c"]
 
     def grad_correction(self, client: ClientContext, msg: Message) -> Callable[[torch.nn.Module], None]:

@@ -24,14 +24,35 @@ Task = tuple[int, RoundInfo, Message, dict[str, Any]]  # (client id, round info,
 Result = tuple[Message, dict[str, Any]]  # (reply, updated client state)
 
 
+def state_to(state: Any, device: torch.device) -> Any:
+    """``state`` (a client's dict of tensors, possibly nested) with every tensor on ``device``."""
+    if isinstance(state, torch.Tensor):
+        return state.to(device, non_blocking=device.type == "cuda")
+    if isinstance(state, dict):
+        return {k: state_to(v, device) for k, v in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(state_to(v, device) for v in state)
+    return state
+
+
 class SequentialExecutor:
     def __init__(self, client_runtime: Any) -> None:
         self.client_runtime = client_runtime
 
     def run(self, tasks: Sequence[Task]) -> list[Result]:
+        device = torch.device(self.client_runtime.device)
         results = []
         for cid, info, msg, state in tasks:
-            results.append((self.client_runtime.update(cid, info, msg, state), state))
+            if device.type == "cpu":
+                results.append((self.client_runtime.update(cid, info, msg, state), state))
+                continue
+            # On an accelerator a client's state (SCAFFOLD's c_k, MOON's previous model) is on the device
+            # only while that client trains: device memory holds one client at a time, whatever K is.
+            on_device = state_to(state, device)
+            reply = self.client_runtime.update(cid, info, msg, on_device)
+            state.clear()
+            state.update(state_to(on_device, torch.device("cpu")))
+            results.append((reply, state))
         return results
 
     def evaluate(self, tasks: Sequence[Task]) -> list[Message]:

@@ -1,0 +1,144 @@
+"""The CUDA path (issue 15, target 5): samples/s and s/round on a GPU, beside the CPU figures.
+
+Two workloads, each in fp32 and bf16 (autocast, fp32 master weights), ``run.device=cuda``:
+
+- ``mnist``: FedAvg on the FedLMD MNIST protocol (the FedNTD CNN, 100 clients, LDA 0.1, 10 per round, E = 5,
+  B = 50, crop+flip+cutout), as ``bench_fedavg_mnist.py`` runs it on the CPU;
+- ``resnet18``: ResNet-18 (cifar stem, 11.2 M parameters) on a stand-in of CIFAR-10's size (50,000 training and
+  10,000 test 3x32x32 uint8 images with random pixels and labels, seeded): speed only, its accuracy means
+  nothing. Same federation settings as the MNIST protocol.
+
+On the device the uint8 dataset lives in GPU memory, an epoch's order and augmentation draws go over in one
+copy, the loss and the evaluation counts accumulate on the device (no host synchronisation per step), and a
+client's state is on the device only while it trains. s/round and samples/s leave out round 1 (CUDA context,
+cuDNN autotuning). ``--cpu-steps N`` also times N training steps of each model on this machine's CPU.
+
+Run: python benchmarks/bench_gpu.py --data-dir DATA --rounds 5 [--only mnist] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+
+import numpy as np
+import torch
+
+from bench_fedavg_mnist import PROTOCOL
+from fedistill.config import build_config
+from fedistill.data.dataset import Dataset
+from fedistill.data.sources import load_dataset
+from fedistill.engine.seeding import sample_clients
+from fedistill.engine.simulation import Simulation, build_federation
+
+
+def stand_in_cifar10(seed: int = 0) -> Dataset:
+    rng = np.random.default_rng(seed)
+    return Dataset(
+        name="cifar10",
+        train_x=torch.from_numpy(rng.integers(0, 256, (50_000, 3, 32, 32), dtype=np.uint8)),
+        train_y=torch.from_numpy(rng.integers(0, 10, 50_000).astype(np.int64)),
+        test_x=torch.from_numpy(rng.integers(0, 256, (10_000, 3, 32, 32), dtype=np.uint8)),
+        test_y=torch.from_numpy(rng.integers(0, 10, 10_000).astype(np.int64)),
+        num_classes=10,
+        mean=(0.5, 0.5, 0.5),
+        std=(0.25, 0.25, 0.25),
+    )
+
+
+def workload(name: str, data_dir: str) -> tuple[dict, Dataset]:
+    if name == "mnist":
+        return PROTOCOL, load_dataset("mnist", data_dir)
+    protocol = {**PROTOCOL, "dataset": {"name": "cifar10"}, "model": {"name": "resnet18"}}
+    return protocol, stand_in_cifar10()
+
+
+def run(protocol: dict, dataset: Dataset, overrides: dict, rounds: int) -> dict:
+    cfg = build_config(protocol, {"rounds": rounds, **overrides})
+    federation = build_federation(cfg, dataset)
+    device = torch.device(cfg.run.device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    sim = Simulation(cfg, dataset, federation=federation)
+    rows = []
+    for rnd in range(1, rounds + 1):
+        row = sim.run_round(rnd)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        chosen = sample_clients(federation.num_clients, cfg.clients_per_round, cfg.seed, rnd)
+        row["samples"] = cfg.local.epochs * sum(int(federation.train_indices[c].numel()) for c in chosen)
+        rows.append(row)
+        print(f"  round {rnd}: {row['seconds']:.2f} s (eval {row['eval_seconds']:.2f}), acc {row['test_accuracy']:.2f}", flush=True)
+    sim.close()
+    timed = rows[1:] if len(rows) > 1 else rows
+    train = sum(r["seconds"] - r["eval_seconds"] for r in timed)
+    return {
+        "s_per_round": float(np.mean([r["seconds"] for r in timed])),
+        "train_samples_per_s": sum(r["samples"] for r in timed) / train,
+        "eval_s_per_round": float(np.mean([r["eval_seconds"] for r in timed])),
+        "eval_images_per_s": len(dataset.test_y) / float(np.mean([r["eval_seconds"] for r in timed])),
+        "accuracy_last": rows[-1]["test_accuracy"],
+        "peak_gpu_mb": torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda" else None,
+    }
+
+
+def cpu_steps(protocol: dict, dataset: Dataset, precision: str, steps: int) -> float:
+    """Training samples/s of ``steps`` steps of one client's local SGD on this machine's CPU."""
+    cfg = build_config(protocol, {"rounds": 1, "run.precision": precision, "run.device": "cpu"})
+    federation = build_federation(cfg, dataset)
+    sim = Simulation(cfg, dataset, federation=federation)
+    runtime = sim.executor.client_runtime
+    from fedistill.algorithms.local import local_sgd
+
+    largest = int(np.argmax([int(ix.numel()) for ix in federation.train_indices]))
+    ctx = runtime.context(largest, 1, {})
+    ctx.train_indices = ctx.train_indices.repeat(max(1, steps * 50 // max(1, ctx.train_indices.numel()) + 1))[: (steps + 2) * 50]
+    local_sgd(ctx, lr=0.01, epochs=1, batch_size=50)  # warm-up: kernels and allocator
+    started = time.perf_counter()
+    result = local_sgd(ctx, lr=0.01, epochs=1, batch_size=50)
+    sim.close()
+    return result.samples_seen / (time.perf_counter() - started)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--data-dir", default="../shared/data")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--only", action="append", choices=["mnist", "resnet18"])
+    ap.add_argument("--cpu-steps", type=int, default=0)
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    results: dict = {
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "runs": {},
+    }
+    for name in args.only or ["mnist", "resnet18"]:
+        protocol, dataset = workload(name, args.data_dir)
+        if torch.cuda.is_available():
+            for precision in ("fp32", "bf16"):
+                print(f"{name} cuda {precision}", flush=True)
+                results["runs"][f"{name}-cuda-{precision}"] = run(
+                    protocol, dataset, {"run.device": "cuda", "run.precision": precision}, args.rounds
+                )
+        if args.cpu_steps:
+            for precision in ("fp32", "bf16"):
+                results["runs"][f"{name}-cpu-{precision}-steps"] = {"train_samples_per_s": cpu_steps(protocol, dataset, precision, args.cpu_steps)}
+    print("\n| workload | device | precision | s/round | training samples/s | eval s/round | eval images/s | peak GPU MB |")
+    print("|---|---|---|---|---|---|---|---|")
+    for key, r in results["runs"].items():
+        name, device, precision = key.split("-")[:3]
+        fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
+        print(f"| {name} | {device} | {precision} | {fmt(r.get('s_per_round'), '.2f')} | {r['train_samples_per_s']:.0f} | "
+              f"{fmt(r.get('eval_s_per_round'), '.3f')} | {fmt(r.get('eval_images_per_s'), '.0f')} | {fmt(r.get('peak_gpu_mb'), '.0f')} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
