@@ -5,6 +5,11 @@
 
 Then ``flwr run flower-app <connection> --stream`` (docs/flower.md). An unset ``run.threads`` is written as
 the count ``fedistill run`` uses on this machine (see :mod:`.project`).
+
+Two more commands make deployment rounds fast (README, "Running across machines"):
+
+    python -m fedistill.flower supernode [--poll-interval 0.1] <flower-supernode options>   (:mod:`.supernode`)
+    python -m fedistill.flower clientapp --insecure --runtime-api-address 127.0.0.1:9094      (:mod:`.worker`)
 """
 
 from __future__ import annotations
@@ -17,8 +22,19 @@ from ..errors import FedistillError
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["clientapp"]:
+        from .worker import main as clientapp_main
+
+        return clientapp_main(argv[1:])
+    if argv[:1] == ["supernode"]:
+        from .supernode import main as supernode_main
+
+        return supernode_main(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m fedistill.flower", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("supernode", help="flower-supernode that polls the SuperLink faster while a run is active (options: supernode --help)")
+    sub.add_parser("clientapp", help="a long-running ClientApp next to a SuperNode started with --isolation process (clientapp --help)")
     app = sub.add_parser("app", help="write a Flower App directory (pyproject.toml) for a fedistill configuration")
     app.add_argument("--config", help="fedistill YAML file (default: the defaults)")
     app.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="override a key (repeatable)")

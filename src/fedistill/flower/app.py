@@ -8,10 +8,12 @@ the replies (at most ``round-timeout`` seconds, less when a SuperNode leaves) an
 ``ServerRuntime.complete_round``: aggregation in client-id order, evaluation, metrics and checkpoints are
 the simulation's own code. The run directory is written as by ``fedistill run``.
 
-Client (``client_app``): rebuilds the dataset and its own partition (once per process) from the node
-config -- ``partition-id`` and ``num-partitions`` with the run's partitioner and seed, or ``data-dir``, a
-local directory whose whole train split is this client's data -- and runs ``ClientRuntime.update`` with
-the client's persistent state kept in ``context.state``.
+Client (``client_app``): rebuilds the dataset and its own partition from the node config --
+``partition-id`` and ``num-partitions`` with the run's partitioner and seed, or ``data-dir``, a local
+directory whose whole train split is this client's data -- and runs ``ClientRuntime.update`` with the
+client's persistent state kept in ``context.state``. The rebuilt runtime is kept for the rest of the run
+in the process (``_CLIENT_CACHE``): Flower's own ``flwr-clientapp`` handles one message per process, the
+long-running ClientApp of :mod:`.worker` all of a node's messages, loading the data once per run.
 
 Node config keys (``flower-supernode --node-config '...'``): ``partition-id`` (this node's client id,
 required), ``num-partitions`` (must equal ``partition.num_clients``), ``data-dir`` (optional, local data),
@@ -143,7 +145,8 @@ def _wait_for_replies(
     grid: Grid, sent: dict[str, int], node_of: dict[int, int], timeout: float
 ) -> tuple[dict[int, FlowerMessage], dict[int, str]]:
     """Pull the replies of ``sent`` (message id -> client id) until all arrived, their nodes left, or timeout."""
-    deadline = time.monotonic() + timeout
+    start = time.monotonic()
+    deadline = start + timeout
     replies: dict[int, FlowerMessage] = {}
     failed: dict[int, str] = {}
     pending = dict(sent)
@@ -171,7 +174,8 @@ def _wait_for_replies(
                     failed[cid] = "its SuperNode left the federation"
                     del pending[mid]
             next_liveness = now + 1.0
-        time.sleep(0.2)
+        # Replies of a small model come within a second or two: look often then, less after 10 s.
+        time.sleep(0.05 if now - start < 10.0 else 0.2)
     return replies, failed
 
 
@@ -254,7 +258,7 @@ def run_server(grid: Grid, cfg: Config, settings: FlowerSettings) -> dict[str, A
     """
     from ..engine.simulation import ServerRuntime, apply_process_settings, build_federation, round_info, summarise
     from ..models.flat import num_flat
-    from ..report.plots import accuracy_label, plot_accuracy, plot_class_distributions, plot_partition, plot_personal_accuracy
+    from ..report.plots import accuracy_label, config_title, plot_accuracy, plot_class_distributions, plot_partition, plot_personal_accuracy
     from ..report.rundir import RunDirectory
     from ..report.environment import environment_info
     from ..runner import load_dataset_for
@@ -306,7 +310,7 @@ def run_server(grid: Grid, cfg: Config, settings: FlowerSettings) -> dict[str, A
         run_dir.write_environment(environment_info(cfg))
     counts = federation.class_counts()
     run_dir.write_partition(counts)
-    plot_partition(counts, run_dir.path / "partition.png", f"{cfg.partition.scheme}: {num_clients} clients")
+    plot_partition(counts, run_dir.path / "partition.png", config_title(cfg))  # as `fedistill run` and `partition`
     # The accuracy that rounds, summaries and plots report, as `fedistill run`: the global model's on the
     # test set, or (partition.per_client_test) the clients' mean on their own test splits.
     accuracy_key, accuracy_name = (
@@ -423,11 +427,11 @@ def run_server(grid: Grid, cfg: Config, settings: FlowerSettings) -> dict[str, A
     summary = finish("finished")
     history = runtime.state.history
     curve = [(r["round"], r[accuracy_key]) for r in history if r.get(accuracy_key) is not None]
-    plot_accuracy(
-        {cfg.algorithm.display_name(): curve}, run_dir.path / "accuracy.png", cfg.eval.target_accuracy, ylabel=accuracy_label(accuracy_key)
-    )
-    plot_personal_accuracy(history, run_dir.path / "personal_accuracy.png", cfg.algorithm.display_name())
-    plot_class_distributions({cfg.algorithm.display_name(): history}, run_dir.path / "class_distributions.png")
+    algorithm = cfg.algorithm.display_name()
+    title = config_title(cfg, extra=algorithm)
+    plot_accuracy({algorithm: curve}, run_dir.path / "accuracy.png", cfg.eval.target_accuracy, ylabel=accuracy_label(accuracy_key), title=title)
+    plot_personal_accuracy(history, run_dir.path / "personal_accuracy.png", algorithm, title=title)
+    plot_class_distributions({algorithm: history}, run_dir.path / "class_distributions.png", title=config_title(cfg))
     _say(f"finished: final {accuracy_name} {summary['final_accuracy']}, run directory {run_dir.path}")
     return summary
 
@@ -450,6 +454,18 @@ class _NoTracebackForFedistillErrors(logging.Filter):
 _QUIET = _NoTracebackForFedistillErrors()
 
 
+def _quicker_reply_pulls() -> None:
+    """A reply's arrays reach the SuperLink just after the reply itself; Flower's grid then waits 1 s
+    before asking again. Ask after 0.01 s instead (flwr 1.41 only: see :mod:`.supernode`)."""
+    try:
+        from flwr.superlink.grid import http_grid
+    except ImportError:
+        return
+    from .supernode import quicker_object_pulls
+
+    quicker_object_pulls(http_grid)
+
+
 server_app = ServerApp()
 
 
@@ -461,6 +477,7 @@ def server_main(grid: Grid, context: Context) -> None:
     logs), so a script reads the outcome from ``flwr ls`` (status ``finished:failed``) or from the run
     directory's summary.json (README, "Failures and resume").
     """
+    _quicker_reply_pulls()
     try:
         settings = FlowerSettings.from_run_config(context.run_config)
         run_server(grid, settings.config(), settings)
@@ -475,7 +492,20 @@ def server_main(grid: Grid, context: Context) -> None:
 
 
 # ======================================================================================= client
+# The ClientRuntime of this process (dataset, partition, worker model), kept between messages. Flower's own
+# `flwr-clientapp` handles one message per process, so there the cache lives for one message; in the
+# long-running worker (`python -m fedistill.flower clientapp`, :mod:`.worker`) and in Ray's simulation
+# workers it lives for the whole run. The key holds everything the runtime is built from -- the run id,
+# the run's configuration (JSON), the node's partition-id, num-partitions, data-dir and threads -- so a
+# new run (a resume included), another configuration or another data directory builds afresh, and the
+# files of a site are read again for every run. One entry at a time: a finished run's data is dropped.
 _CLIENT_CACHE: dict[tuple[Any, ...], Any] = {}
+_CACHE_COUNTS = {"builds": 0, "hits": 0}
+
+
+def client_cache_info() -> dict[str, int]:
+    """How often this process built a ClientRuntime (loaded the data) and how often it reused one."""
+    return {**_CACHE_COUNTS, "entries": len(_CLIENT_CACHE)}
 
 
 def _node_identity(node_config: dict[str, Any]) -> tuple[int, int, str]:
@@ -511,14 +541,15 @@ def _client_threads(cfg: Config, node_config: dict[str, Any]) -> int:
     return client_threads(cfg)
 
 
-def _client_runtime(config_json: str, node_config: dict[str, Any]) -> Any:
-    """The ClientRuntime of this node (cached per process: the dataset is loaded and split once)."""
+def _client_runtime(config_json: str, node_config: dict[str, Any], run_id: int | None = None) -> Any:
+    """The ClientRuntime of this node for run ``run_id`` (cached in the process: see ``_CLIENT_CACHE``)."""
     pid, count, data_dir = _node_identity(node_config)
-    key = (config_json, pid, count, data_dir, str(node_config.get("threads", "")))
+    key = (run_id, config_json, pid, count, data_dir, str(node_config.get("threads", "")))
     cached = _CLIENT_CACHE.get(key)
     if cached is not None:
         runtime, threads = cached
         torch.set_num_threads(threads)  # another client's runtime in this process may have changed it
+        _CACHE_COUNTS["hits"] += 1
         return runtime
     from ..engine.perf import keep_freed_memory_in_heap
     from ..engine.simulation import ClientRuntime, build_federation
@@ -546,7 +577,25 @@ def _client_runtime(config_json: str, node_config: dict[str, Any]) -> Any:
     runtime = ClientRuntime(cfg, dataset, train, test)
     _CLIENT_CACHE.clear()
     _CLIENT_CACHE[key] = (runtime, threads)
+    _CACHE_COUNTS["builds"] += 1
     return runtime
+
+
+def warm_up(context: Context) -> bool:
+    """Build this node's ClientRuntime for the context's run ahead of its first train message.
+
+    The long-running worker calls it once it has answered the discovery query (which brings the run's
+    configuration), so that round 1 does not wait for the data. An error is left for the first train
+    message to report, as it would without the warm-up; returns whether the runtime is ready.
+    """
+    if _CONFIG not in context.state.config_records:
+        return False
+    try:
+        _client_runtime(str(context.state.config_records[_CONFIG]["json"]), dict(context.node_config), context.run_id)
+    except Exception:  # pylint: disable=broad-exception-caught  (reported by the train message)
+        log.debug("warm-up failed; the first train message reports the error", exc_info=True)
+        return False
+    return True
 
 
 client_app = ClientApp()
@@ -573,7 +622,7 @@ def _client_of(msg: FlowerMessage, context: Context, what: str) -> tuple[Any, An
     pid, _, _ = _node_identity(node_config)
     if cid != pid:
         raise RuntimeError(f"fedistill: message for client {cid} reached the SuperNode of client {pid}")
-    runtime = _client_runtime(str(context.state.config_records[_CONFIG]["json"]), node_config)
+    runtime = _client_runtime(str(context.state.config_records[_CONFIG]["json"]), node_config, context.run_id)
     return runtime, info, cid, load_client_state(context.state, cid)
 
 

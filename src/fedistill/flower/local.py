@@ -5,6 +5,12 @@ groups (the SuperExec and ClientApp/ServerApp children included); ports are chos
 is a private directory, so the user's ``~/.flwr`` is neither read nor written. The SuperLink is started
 with ``--disable-runtime-dependency-installation`` (and ``FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1``
 in the environment), so the apps run in this Python environment and nothing is ever installed.
+
+``clientapp="worker"`` starts every SuperNode with ``--isolation process`` and, next to it, a long-running
+ClientApp worker (``python -m fedistill.flower clientapp``, :mod:`.worker`) instead of Flower's SuperExec
+and its process per message; ``poll_interval=S`` starts the SuperNodes through
+``python -m fedistill.flower supernode --poll-interval S`` (:mod:`.supernode`), which polls the SuperLink
+every S seconds during a run instead of every 3 s. The defaults are Flower's own processes.
 """
 
 from __future__ import annotations
@@ -71,10 +77,24 @@ def flower_env(flwr_home: Path, extra: dict[str, str] | None = None) -> dict[str
 class LocalFederation:
     """``with LocalFederation(workdir, 3) as fed: run_id = fed.submit(app_dir)``; everything stops on exit."""
 
-    def __init__(self, workdir: str | Path, num_supernodes: int, node_config: dict[int, dict[str, Any]] | None = None) -> None:
+    def __init__(
+        self,
+        workdir: str | Path,
+        num_supernodes: int,
+        node_config: dict[int, dict[str, Any]] | None = None,
+        clientapp: str = "subprocess",
+        poll_interval: float | None = None,
+        worker_poll_interval: float | None = None,
+    ) -> None:
+        if clientapp not in ("subprocess", "worker"):
+            raise ValueError(f"clientapp must be 'subprocess' (Flower's process per message) or 'worker', not {clientapp!r}")
         self.workdir = Path(workdir)
         self.num_supernodes = num_supernodes
         self.node_config = node_config or {}
+        self.clientapp = clientapp
+        self.poll_interval = poll_interval
+        self.worker_poll_interval = worker_poll_interval
+        self.workers: dict[int, subprocess.Popen] = {}
         self.flwr_home = self.workdir / "flwr-home"
         self.env = flower_env(self.flwr_home)
         self.port = 0
@@ -110,12 +130,24 @@ class LocalFederation:
     def start_supernode(self, partition_id: int) -> subprocess.Popen:
         config = {"partition-id": partition_id, "num-partitions": self.num_supernodes, **self.node_config.get(partition_id, {})}
         text = " ".join(f"{k}={json.dumps(v)}" for k, v in config.items())
-        proc = self._spawn(
-            f"supernode-{partition_id}",
-            [_bin("flower-supernode"), "--insecure", "--superlink", f"127.0.0.1:{self.port}",
-             "--host", "127.0.0.1", "--port", str(free_port()), "--node-config", text],
-        )
+        port = free_port()
+        if self.poll_interval is None:
+            command = [_bin("flower-supernode")]
+        else:
+            command = [sys.executable, "-m", "fedistill.flower", "supernode", "--poll-interval", str(self.poll_interval)]
+        command += ["--insecure", "--superlink", f"127.0.0.1:{self.port}", "--host", "127.0.0.1", "--port", str(port),
+                    "--node-config", text]
+        if self.clientapp == "worker":
+            command += ["--isolation", "process"]
+        proc = self._spawn(f"supernode-{partition_id}", command)
         self.supernodes[partition_id] = proc
+        if self.clientapp == "worker":
+            self.workers[partition_id] = self._spawn(
+                f"clientapp-{partition_id}",
+                [sys.executable, "-m", "fedistill.flower", "clientapp", "--insecure",
+                 "--runtime-api-address", f"127.0.0.1:{port}", "--parent-pid", str(proc.pid)]
+                + ([] if self.worker_poll_interval is None else ["--poll-interval", str(self.worker_poll_interval)]),
+            )
         return proc
 
     def write_connection(self) -> Path:
@@ -128,13 +160,14 @@ class LocalFederation:
 
     def kill_supernode(self, partition_id: int) -> None:
         """SIGKILL a SuperNode and everything it started (a crash, not a graceful leave)."""
-        proc = self.supernodes.pop(partition_id)
-        children = descendants(proc.pid)
-        _kill_group(proc, signal.SIGKILL)
+        procs = [self.supernodes.pop(partition_id)] + ([self.workers.pop(partition_id)] if partition_id in self.workers else [])
+        children = [pid for proc in procs for pid in descendants(proc.pid)]
+        for proc in procs:
+            _kill_group(proc, signal.SIGKILL)
         _kill_pids(children, signal.SIGKILL)
 
     def close(self) -> None:
-        procs = list(self.supernodes.values()) + ([self.superlink] if self.superlink else [])
+        procs = list(self.workers.values()) + list(self.supernodes.values()) + ([self.superlink] if self.superlink else [])
         # SuperExec and the app processes run in sessions of their own: collect them before their parents go.
         children = [pid for proc in procs for pid in descendants(proc.pid)]
         for proc in procs:
@@ -148,13 +181,18 @@ class LocalFederation:
             _kill_group(proc, signal.SIGKILL)
         _kill_pids(children, signal.SIGKILL)
         self.supernodes.clear()
+        self.workers.clear()
         self.superlink = None
         for log in self._logs:
             log.close()
         self._logs.clear()
 
     def __enter__(self) -> "LocalFederation":
-        return self.start()
+        try:
+            return self.start()
+        except BaseException:  # a failed or interrupted start: stop what did start (`with` will not)
+            self.close()
+            raise
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
