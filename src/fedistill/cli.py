@@ -21,7 +21,7 @@ RUN_FLAGS: list[tuple[str, str, type, str]] = [
     ("--dataset", "dataset.name", str, "dataset name"),
     ("--data-dir", "dataset.data_dir", str, "directory of the official dataset files (env FEDISTILL_DATA)"),
     ("--model", "model.name", str, "model name (default: the dataset's)"),
-    ("--partition", "partition.scheme", str, "iid, shards, lda, client_dirichlet"),
+    ("--partition", "partition.scheme", str, "iid, shards, lda, client_dirichlet; natural for synthetic"),
     ("--alpha", "partition.alpha", float, "Dirichlet concentration"),
     ("--shards", "partition.shards_per_client", int, "shards per client (shards scheme)"),
     ("--clients", "partition.num_clients", int, "number of clients K"),

@@ -29,7 +29,12 @@ DATASET_DEFAULTS: dict[str, dict[str, Any]] = {
     "cifar100": {"model": "cnn", "augment": ["crop", "flip", "cutout"]},
     "cinic10": {"model": "cnn", "augment": ["crop", "flip"]},
     "svhn": {"model": "cnn", "augment": []},
+    # FedProx trains multinomial logistic regression on its synthetic data.
+    "synthetic": {"model": "logistic", "augment": []},
 }
+
+# Datasets that define their own clients (partition.scheme natural) instead of being split by labels.
+NATURAL_DATASETS = ("synthetic",)
 
 
 # Strict types: a bool is not a number (``rounds: true`` would be 1 round), a float is not an int
@@ -74,6 +79,28 @@ class _Section(BaseModel):
     model_config = STRICT
 
 
+class SyntheticConfig(_Section):
+    """FedProx's Synthetic(alpha, beta) (data/synthetic.py); the clients are partition.num_clients, the seed
+    the partition seed."""
+
+    alpha: float = Field(1.0, ge=0, description="spread of u_k (the models' mean); does not change the data (softmax shift)")
+    beta: float = Field(1.0, ge=0, description="spread of B_k (the inputs' mean): label and feature skew")
+    spread: Literal["std", "variance"] = Field("std", description="alpha, beta as standard deviations (authors' code) or variances")
+    dim: int = Field(60, ge=1, description="input dimension")
+    classes: int = Field(10, ge=2)
+    size_log_mean: float = Field(4.0, description="client sizes: floor(lognormal(size_log_mean, size_log_sigma)) + min_samples")
+    size_log_sigma: float = Field(2.0, ge=0)
+    min_samples: int = Field(50, ge=1)
+    max_samples: int | None = Field(None, ge=1, description="cap on a client's size (none in FedProx)")
+    test_samples: int = Field(10_000, ge=1, description="held-out global test set, clients drawn by size")
+
+    @model_validator(mode="after")
+    def _cap_above_floor(self) -> "SyntheticConfig":
+        if self.max_samples is not None and self.max_samples < self.min_samples:
+            raise ValueError(f"max_samples ({self.max_samples}) is below min_samples ({self.min_samples})")
+        return self
+
+
 class DatasetConfig(_Section):
     name: str = "digits"
     data_dir: str | None = Field(None, description="directory of the official files (default: $FEDISTILL_DATA or ./data)")
@@ -84,6 +111,7 @@ class DatasetConfig(_Section):
     resize: int | None = Field(
         None, ge=4, le=1024, description="resize every image to resize x resize, bilinear, once at load (DaFKD: 32)"
     )
+    synthetic: SyntheticConfig | None = Field(None, description="options of the synthetic dataset (default: Synthetic(1, 1))")
 
 
 class PartitionConfig(_Section):
@@ -164,6 +192,9 @@ class RunConfig(_Section):
     client_state: Literal["auto", "memory", "disk"] = Field(
         "auto", description="where the simulation keeps client state; auto = disk when the run has a directory"
     )
+    client_state_dtype: Literal["fp32", "bf16"] = Field(
+        "fp32", description="bf16 = client states rounded to bfloat16 when stored (half the bytes), float32 in use"
+    )
     workers: int = Field(1, ge=1, description="client processes; workers x threads must not exceed the cores")
     tune_allocator: bool = Field(True, description="keep freed memory in glibc's heap (fewer page faults)")
     progress: bool = True
@@ -237,6 +268,27 @@ class Config(_Section):
         for key in ("min_size", "max_retries"):
             if getattr(p, key) is not None and p.scheme != "lda":
                 raise ValueError(f"partition.{key}: only used by the lda scheme, not {p.scheme}")
+        natural = self.dataset.name in NATURAL_DATASETS
+        if natural and p.scheme != "natural":
+            raise ValueError(
+                f"partition.scheme: dataset {self.dataset.name} makes its own clients; use partition.scheme: natural, not {p.scheme}"
+            )
+        if p.scheme == "natural" and not natural:
+            raise ValueError(
+                f"partition.scheme: natural needs a dataset that makes its own clients ({', '.join(NATURAL_DATASETS)}); "
+                f"{self.dataset.name} is split by labels (iid, shards, lda, client_dirichlet)"
+            )
+        if self.dataset.synthetic is not None and self.dataset.name != "synthetic":
+            raise ValueError(f"dataset.synthetic: options of the synthetic dataset, but dataset.name is {self.dataset.name}")
+        if natural:
+            if p.per_client_test:
+                raise ValueError(
+                    f"partition.per_client_test: dataset {self.dataset.name} has one held-out global test set (no per-client test splits)"
+                )
+            if self.dataset.resize is not None:
+                raise ValueError(f"dataset.resize: dataset {self.dataset.name} has feature vectors, not images")
+            if self.dataset.augment:
+                raise ValueError(f"dataset.augment: dataset {self.dataset.name} has feature vectors, not images; use []")
         if self.eval.metric == "personal" and not p.per_client_test:
             raise ValueError(
                 "eval.metric: personal accuracy needs per-client test splits; set partition.per_client_test: true"
@@ -261,6 +313,15 @@ class Config(_Section):
     def partition_seed(self) -> int:
         return self.seed if self.partition.seed is None else self.partition.seed
 
+    def dataset_options(self) -> dict[str, Any]:
+        """The options the dataset's loader takes besides the data directory (fedistill.data.sources.load_dataset)."""
+        options: dict[str, Any] = {"split": self.dataset.split} if self.dataset.split is not None else {}
+        if self.dataset.name == "synthetic":
+            # The synthetic federation is generated, with its clients, from the partition seed.
+            synthetic = self.dataset.synthetic or SyntheticConfig()
+            options.update(num_clients=self.partition.num_clients, seed=self.partition_seed(), **synthetic.model_dump())
+        return options
+
     def to_dict(self) -> dict[str, Any]:
         tree = self.model_dump(mode="json")
         if not tree["algorithm"]["plus"]:
@@ -278,6 +339,8 @@ class Config(_Section):
         if not (self.model.clients or self.model.client_mix):
             tree["model"]["name"] = self.model_name()
         tree["dataset"]["augment"] = self.augmentations()
+        if self.dataset.name == "synthetic" and self.dataset.synthetic is None:
+            tree["dataset"]["synthetic"] = SyntheticConfig().model_dump(mode="json")
         tree["partition"]["seed"] = self.partition_seed()
         algorithm = make_algorithm(self)
         parts = getattr(algorithm, "parts", [algorithm])

@@ -15,7 +15,7 @@ Data directory layout (``<data>`` is ``data_dir``, else ``$FEDISTILL_DATA``, els
     <data>/cifar-100-python/     train, test                              (+ <data>/cifar-100-python.tar.gz)
     <data>/svhn/            train_32x32.mat test_32x32.mat
     <data>/cinic-10/        {train,test}/<class>/*.png
-    (digits needs no files: it ships with scikit-learn)
+    (digits needs no files: it ships with scikit-learn; synthetic is generated from the seed, data/synthetic.py)
 
 Offline first: nothing is fetched unless ``download=True`` (CLI ``--download``), and then only the missing
 files, through :mod:`fedistill.data.download` (atomic, md5-checked; ``FEDISTILL_MIRROR`` overrides the
@@ -52,6 +52,7 @@ from ..errors import ConfigError, DatasetError
 from ..registry import DATASETS
 from . import download as _download
 from .dataset import Dataset
+from .synthetic import load_synthetic
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +73,7 @@ __all__ = [
     "load_svhn",
     "load_cinic10",
     "load_digits",
+    "load_synthetic",
 ]
 
 DATA_ENV = "FEDISTILL_DATA"
@@ -855,6 +857,9 @@ def _stratified_split(labels: np.ndarray, test_fraction: float, seed: int) -> tu
     test_idx = np.sort(np.concatenate(test))
     train_idx = np.setdiff1d(np.arange(labels.size), test_idx)
     return train_idx, test_idx
+
+
+DATASETS.register("synthetic")(load_synthetic)  # FedProx's Synthetic(alpha, beta): no files (data/synthetic.py)
 
 
 @DATASETS.register("digits")

@@ -10,7 +10,7 @@ import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -33,26 +33,89 @@ from .seeding import CLIENT, INIT, SERVER, derive_seed, make_generator, sample_c
 
 @dataclass
 class Federation:
-    """The dataset tensors plus every client's index sets (train, and test for personalised runs)."""
+    """The dataset tensors plus every client's index sets (train, and test for personalised runs).
+
+    The index sets are a list of tensors, or, for a dataset that generates its clients (synthetic), a
+    sequence that makes client k's indices when asked (:class:`~fedistill.data.synthetic.ClientRanges`):
+    nothing here may walk every client per round.
+    """
 
     dataset: Dataset
-    train_indices: list[torch.Tensor]
-    test_indices: list[torch.Tensor] | None = None
+    train_indices: Sequence[torch.Tensor]
+    test_indices: Sequence[torch.Tensor] | None = None
 
     @property
     def num_clients(self) -> int:
         return len(self.train_indices)
 
+    def client_sizes(self) -> np.ndarray:
+        """n_k of every client (int64)."""
+        sizes = getattr(self.train_indices, "sizes", None)
+        if sizes is not None:
+            return np.asarray(sizes(), dtype=np.int64)
+        return np.array([int(ix.numel()) for ix in self.train_indices], dtype=np.int64)
+
+    def train_map(self) -> Mapping[int, torch.Tensor]:
+        """Client id -> train indices, as ClientRuntime takes them."""
+        return _IndexMap(self.train_indices)
+
+    def test_map(self) -> Mapping[int, torch.Tensor] | None:
+        return _IndexMap(self.test_indices) if self.test_indices is not None else None
+
+    def class_counts_of(self, cids: Sequence[int]) -> np.ndarray:
+        """len(cids) x C label counts of the clients ``cids`` (a round's clients: cheap at any K)."""
+        out = np.zeros((len(cids), self.dataset.num_classes), dtype=np.int64)
+        for row, cid in enumerate(cids):
+            labels = self.dataset.train_y[self.train_indices[cid]]
+            out[row] = np.bincount(np.asarray(labels), minlength=self.dataset.num_classes)
+        return out
+
     def class_counts(self) -> np.ndarray:
-        labels = self.dataset.train_y.numpy()
-        return np.stack([np.bincount(labels[i.numpy()], minlength=self.dataset.num_classes) for i in self.train_indices])
+        """K x C label counts of every client (O(N); a generated federation generates every client)."""
+        if isinstance(self.train_indices, list):  # one pass over the labels
+            labels = self.dataset.train_y.numpy()
+            num_classes = self.dataset.num_classes
+            sizes = self.client_sizes()
+            owner = np.repeat(np.arange(self.num_clients), sizes)
+            rows = np.concatenate([ix.numpy() for ix in self.train_indices]) if self.num_clients else np.empty(0, np.int64)
+            flat = np.bincount(owner * num_classes + labels[rows], minlength=self.num_clients * num_classes)
+            return flat.reshape(self.num_clients, num_classes)
+        return self.class_counts_of(range(self.num_clients))
+
+
+class _IndexMap(Mapping[int, torch.Tensor]):
+    """A read-only {client id: indices} view of an index sequence (no copy, no K tensors made)."""
+
+    def __init__(self, indices: Sequence[torch.Tensor]) -> None:
+        self._indices = indices
+
+    def __getitem__(self, cid: int) -> torch.Tensor:
+        if not 0 <= cid < len(self._indices):
+            raise KeyError(cid)
+        return self._indices[cid]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(len(self._indices)))
+
+    def __len__(self) -> int:
+        return len(self._indices)
 
 
 def build_federation(cfg: Config, dataset: Dataset) -> Federation:
     from ..data.partition import make_partition
 
-    params: dict[str, Any] = {}
     p = cfg.partition
+    client_ranges = getattr(dataset, "client_ranges", None)
+    if p.scheme == "natural" or client_ranges is not None:
+        if client_ranges is None:
+            raise ConfigError(f"partition.scheme: natural needs a dataset that makes its own clients; {dataset.name} does not")
+        if p.scheme != "natural":
+            raise ConfigError(f"partition.scheme: dataset {dataset.name} makes its own clients; use natural, not {p.scheme}")
+        ranges = client_ranges()
+        if len(ranges) != p.num_clients:
+            raise ConfigError(f"partition.num_clients: {p.num_clients}, but dataset {dataset.name} was made with {len(ranges)} clients")
+        return Federation(dataset, ranges, None)
+    params: dict[str, Any] = {}
     if p.scheme in ("lda", "client_dirichlet"):
         params["alpha"] = p.alpha
     for key in ("min_size", "max_retries"):
@@ -128,12 +191,17 @@ def apply_process_settings(cfg: Config) -> None:
 
 def run_numerics(cfg: Config) -> dict[str, Any]:
     """The run settings that change the numbers a run produces (checked on resume, engine/checkpoint.py)."""
-    return {
+    numerics = {
         "precision": cfg.run.precision,
         "channels_last": cfg.run.channels_last,
         "device": cfg.run.device,
         "client_threads": client_threads(cfg),
     }
+    # Recorded only when not the default, so that checkpoints written before the setting existed (fp32)
+    # still compare equal.
+    if cfg.run.client_state_dtype != "fp32":
+        numerics["client_state_dtype"] = cfg.run.client_state_dtype
+    return numerics
 
 
 def kl_from_uniform(counts: torch.Tensor) -> float:
@@ -230,7 +298,7 @@ class ServerRuntime:
     def client_store(self) -> MemoryStateStore | DiskStateStore:
         """The clients' state store, made on first use (the run directory may be set after construction)."""
         if not self._store_ready:
-            self.state.client_states = make_state_store(self.cfg.run.client_state, self.run_dir)
+            self.state.client_states = make_state_store(self.cfg.run.client_state, self.run_dir, self.cfg.run.client_state_dtype)
             self._store_ready = True
         return self.state.client_states
 
@@ -341,7 +409,11 @@ class ServerRuntime:
         """
         train_seconds = time.perf_counter() - started
         replies = {cid: replies[cid] for cid in sorted(replies)}
+        aggregate_start = time.perf_counter()
         extra = self.algorithm.aggregate(self.server, info, replies)
+        # Aggregation plus any server-side refinement (FedFTG's fine-tune, DaFKD's or FedDF's distillation,
+        # FedGen's generator): what the server spends beside the clients' training (issue 15 compares them).
+        server_seconds = time.perf_counter() - aggregate_start
         rnd = info.round
         if not bool(torch.isfinite(get_flat(self.server.model)).all()):
             self._diverged(rnd, info, "the global model became non-finite (NaN/inf)")
@@ -384,6 +456,7 @@ class ServerRuntime:
             row["train_label_counts"] = [int(v) for v in train_label_counts]
         row.update(extra)
         row["train_seconds"] = train_seconds  # broadcast + local updates (+ transport) of all clients
+        row["server_seconds"] = server_seconds
         row["eval_seconds"] = time.perf_counter() - eval_start
         row["seconds"] = time.perf_counter() - started
         self.state.round = rnd
@@ -500,7 +573,7 @@ class Simulation:
         apply_process_settings(cfg)
         self.federation = federation or build_federation(cfg, dataset)
         fed = self.federation
-        sizes = tuple(int(ix.numel()) for ix in fed.train_indices)  # n_k of the population (FedDyn's α_k)
+        sizes = tuple(fed.client_sizes().tolist())  # n_k of the population (FedDyn's α_k)
         self.server_runtime = ServerRuntime(
             cfg,
             dataset,
@@ -513,11 +586,10 @@ class Simulation:
         self.client_runtime = ClientRuntime(
             cfg,
             dataset,
-            dict(enumerate(fed.train_indices)),
-            dict(enumerate(fed.test_indices)) if fed.test_indices is not None else None,
+            fed.train_map(),
+            fed.test_map(),
         )
         self.dataset = dataset
-        self._class_counts = fed.class_counts()  # client x class, for the per-round label diagnostic
         self._executor: SequentialExecutor | ProcessPoolExecutor | None = None
 
     @property
@@ -583,7 +655,7 @@ class Simulation:
             store.save(cid, state, rnd)
         bytes_down = sum(msg.nbytes() for _, _, msg, _ in tasks)
         bytes_up = sum(reply.nbytes() for reply in replies.values())
-        labels = self._class_counts[selected].sum(axis=0).tolist()
+        labels = self.federation.class_counts_of(selected).sum(axis=0).tolist()  # the round's clients only: O(1) in K
         return self.server_runtime.complete_round(info, replies, bytes_down, bytes_up, started, train_label_counts=labels)
 
     def _evaluate_on_clients(self, info: RoundInfo, messages: dict[int, Message]) -> dict[int, Message]:

@@ -45,3 +45,9 @@ class MLP(ClassifierModel):
 def mlp(input_shape: Sequence[int], num_classes: int, hidden: Sequence[int] = (200, 200)) -> MLP:
     """MLP on the flattened input, hidden=(200, 200) by default (McMahan et al.'s 2NN)."""
     return MLP(input_shape, num_classes, hidden=hidden)
+
+
+@MODELS.register("logistic")
+def logistic(input_shape: Sequence[int], num_classes: int) -> MLP:
+    """Multinomial logistic regression on the flattened input (FedProx's synthetic model): mlp with hidden=()."""
+    return MLP(input_shape, num_classes, hidden=())

@@ -23,7 +23,7 @@ from ..errors import ConfigError
 METRIC_COLUMNS = [
     "round", "lr", "clients", "train_loss", "test_accuracy", "test_loss", "personal_accuracy", "personal_min",
     "personal_q1", "personal_median", "personal_q3", "personal_max", "bytes_down", "bytes_up",
-    "bytes_weight_exchange", "train_seconds", "eval_seconds", "seconds",
+    "bytes_weight_exchange", "train_seconds", "server_seconds", "eval_seconds", "seconds",
 ]
 
 
