@@ -98,3 +98,37 @@ def test_the_bf16_teacher_gives_autocasts_logits_bit_for_bit():
         assert next(teacher._model.parameters()).dtype == torch.bfloat16
         assert got.dtype == expected.dtype and torch.equal(got, expected), name
     assert not bf16_exact(build_model("resnet8", (3, 32, 32), 10))
+
+
+def test_resume_refuses_a_different_partition_of_the_same_configuration(make_config, digits, tmp_path):
+    import pytest
+
+    from fedistill.engine.checkpoint import load_checkpoint, save_checkpoint
+    from fedistill.engine.simulation import Federation, build_federation
+    from fedistill.errors import ConfigError
+
+    cfg = make_config(rounds=2)
+    Simulation(cfg, digits, run_dir=tmp_path).run()
+    fed = build_federation(cfg, digits)
+    # Same sizes, one sample swapped between clients 0 and 1: what an older sampler of the same seed would give.
+    train = [ix.clone() for ix in fed.train_indices]
+    train[0][0], train[1][0] = fed.train_indices[1][0], fed.train_indices[0][0]
+    moved = Federation(digits, train, fed.test_indices)
+    assert moved.partition_digest() != fed.partition_digest()
+    with pytest.raises(ConfigError, match="partition differs"):
+        Simulation(make_config(rounds=4), digits, run_dir=tmp_path, federation=moved).restore()
+    assert Simulation(make_config(rounds=4), digits, run_dir=tmp_path).restore()  # the same partition resumes
+
+    # A checkpoint from before the fingerprint: accepted, except for client_dirichlet, whose sampler changed.
+    path = tmp_path / "checkpoint.pt"
+    payload = load_checkpoint(path)
+    del payload["partition_digest"]
+    save_checkpoint(path, payload)
+    assert Simulation(make_config(rounds=4), digits, run_dir=tmp_path).restore()
+    old = make_config(rounds=2, **{"partition.scheme": "client_dirichlet", "partition.alpha": 0.5})
+    Simulation(old, digits, run_dir=tmp_path / "cd").run()
+    payload = load_checkpoint(tmp_path / "cd" / "checkpoint.pt")
+    del payload["partition_digest"]
+    save_checkpoint(tmp_path / "cd" / "checkpoint.pt", payload)
+    with pytest.raises(ConfigError, match="predates partition fingerprints"):
+        Simulation(make_config(rounds=4, **{"partition.scheme": "client_dirichlet", "partition.alpha": 0.5}), digits, run_dir=tmp_path / "cd").restore()

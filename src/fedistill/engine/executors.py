@@ -97,9 +97,10 @@ class ProcessPoolExecutor:
 
         for tensor in (dataset.train_x, dataset.train_y, dataset.test_x, dataset.test_y):
             tensor.share_memory_()
-        self._sizes = [int(ix.numel()) for ix in federation.train_indices]
-        train = dict(enumerate(federation.train_indices))
-        test = dict(enumerate(federation.test_indices)) if federation.test_indices is not None else None
+        self._sizes = federation.client_sizes().tolist()
+        # Views, not one tensor per client: a generated federation (synthetic) makes a client's indices on demand.
+        train = federation.train_map()
+        test = federation.test_map()
         # spawn, not fork: forking a process whose OpenMP runtime is already initialised can deadlock.
         self._pool = concurrent.futures.ProcessPoolExecutor(
             max_workers=workers,

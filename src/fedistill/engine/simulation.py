@@ -55,6 +55,17 @@ class Federation:
             return np.asarray(sizes(), dtype=np.int64)
         return np.array([int(ix.numel()) for ix in self.train_indices], dtype=np.int64)
 
+    def partition_digest(self) -> str:
+        """A fingerprint of the partition (every client's sizes and, where they are stored, its indices): a
+        checkpoint keeps it so that a resume refuses to continue on a different partition (e.g. one made by an
+        older version of a partition scheme from the same seed)."""
+        import hashlib
+
+        digest = hashlib.sha256(np.ascontiguousarray(self.client_sizes()).tobytes())
+        if isinstance(self.train_indices, list) and self.train_indices:
+            digest.update(torch.cat([ix.to(torch.int64) for ix in self.train_indices]).numpy().tobytes())
+        return digest.hexdigest()[:16]
+
     def train_map(self) -> Mapping[int, torch.Tensor]:
         """Client id -> train indices, as ClientRuntime takes them."""
         return _IndexMap(self.train_indices)
@@ -189,6 +200,24 @@ def apply_process_settings(cfg: Config) -> None:
         keep_freed_memory_in_heap()
 
 
+def check_partition(saved: str | None, current: str | None, scheme: str) -> None:
+    """Refuse to resume on a partition other than the checkpoint's (same config, different clients' data)."""
+    if saved is not None and current is not None and saved != current:
+        raise ConfigError(
+            "resume: the partition differs from the checkpointed run's (same configuration, other clients' samples: "
+            "the data files or fedistill's partition code changed); the rest of the run would not continue it. "
+            "Start a new run, or resume with the data and fedistill version that made the checkpoint"
+        )
+    if saved is None and current is not None and scheme == "client_dirichlet":
+        # client_dirichlet's sampler was rewritten after checkpoints began to carry the digest: an older
+        # checkpoint of this scheme was made on another partition of the same seed.
+        raise ConfigError(
+            "resume: this checkpoint predates partition fingerprints, and partition.scheme=client_dirichlet now "
+            "draws a different partition from the same seed; start a new run (or resume with the fedistill "
+            "version that made the checkpoint)"
+        )
+
+
 def run_numerics(cfg: Config) -> dict[str, Any]:
     """The run settings that change the numbers a run produces (checked on resume, engine/checkpoint.py)."""
     numerics = {
@@ -231,9 +260,11 @@ class ServerRuntime:
         client_num_samples: tuple[int, ...] | None = None,
         client_test_indices: list[torch.Tensor] | None = None,
         client_evaluator: ClientEvaluator | None = None,
+        partition_digest: str | None = None,
     ) -> None:
         self.cfg = cfg
         self.run_dir = run_dir
+        self.partition_digest = partition_digest  # Federation.partition_digest, kept in checkpoints
         # How the server asks clients to evaluate an "assembled" personalised model (the simulation's executor,
         # or Flower evaluate messages): {cid: personal_message} -> {cid: reply with eval.correct/eval.count}.
         self.client_evaluator = client_evaluator
@@ -314,6 +345,7 @@ class ServerRuntime:
             {
                 "config": self.cfg.resolved_dict(),
                 "numerics": run_numerics(self.cfg),
+                "partition_digest": self.partition_digest,
                 "round": self.state.round,
                 "global_model": self.server.model.state_dict(),
                 "server_state": self.server.state,
@@ -342,6 +374,7 @@ class ServerRuntime:
             resolved_config(payload["config"]), self.cfg.resolved_dict(), payload.get("numerics"), run_numerics(self.cfg),
             allow_numeric_change, hint,
         )  # fmt: skip
+        check_partition(payload.get("partition_digest"), self.partition_digest, self.cfg.partition.scheme)
         self.server.model.load_state_dict(payload["global_model"])
         self.server.state = payload["server_state"]
         store = self.client_store
@@ -582,6 +615,7 @@ class Simulation:
             client_num_samples=sizes,
             client_test_indices=fed.test_indices,
             client_evaluator=self._evaluate_on_clients,
+            partition_digest=fed.partition_digest(),
         )
         self.client_runtime = ClientRuntime(
             cfg,

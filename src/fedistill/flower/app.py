@@ -274,9 +274,10 @@ def run_server(grid: Grid, cfg: Config, settings: FlowerSettings) -> dict[str, A
     num_clients = federation.num_clients
     # Client sizes from the server's copy of the partition (exact with partition-id nodes; with node-local
     # data-dir files the server does not know them, so FedDyn's adaptive α_k uses the partition's sizes).
-    sizes = tuple(int(ix.numel()) for ix in federation.train_indices)
+    sizes = tuple(federation.client_sizes().tolist())
     runtime = ServerRuntime(
-        cfg, dataset, num_clients, path, client_num_samples=sizes, client_test_indices=federation.test_indices
+        cfg, dataset, num_clients, path, client_num_samples=sizes, client_test_indices=federation.test_indices,
+        partition_digest=federation.partition_digest(),
     )
     note = ""
     if settings.resume:
