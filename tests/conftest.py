@@ -76,8 +76,9 @@ def assert_learns(dataset, algorithm, threshold=70.0, **overrides):
 
     settings = {"algorithm.name": algorithm, "partition.num_clients": 10, "partition.alpha": 0.3, "local.epochs": 2}
     cfg = small_config(rounds=15, clients_per_round=5, **{**settings, **overrides})
-    accuracy = Simulation(cfg, dataset).run()[-1]["test_accuracy"]
-    assert accuracy > threshold, f"{algorithm}: {accuracy:.1f}%"
+    history = Simulation(cfg, dataset).run()
+    accuracy = history[-1]["test_accuracy"]
+    assert accuracy > threshold, f"{algorithm}: {accuracy:.1f}% " + str([(round(r["test_accuracy"], 1), round(r["train_loss"], 3)) for r in history])
 
 
 def assert_resume_is_exact(dataset, tmp_path, algorithm, server_keys=(), client_keys=(), **overrides):

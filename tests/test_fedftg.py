@@ -287,13 +287,16 @@ def test_fine_tune_leaves_teachers_and_uploads_unchanged():
     assert all(q.grad is None for t in teachers for q in t.parameters())
 
 
-def test_batched_teacher_pass_equals_one_module_per_teacher():
+@pytest.mark.parametrize("name,vmapped", [("resnet8", False), ("mlp", True)])
+def test_batched_teacher_pass_equals_one_module_per_teacher(name, vmapped):
+    """Both ways of evaluating the ensemble (a loop for convolutional models, where vmap's grouped
+    convolutions are slow; one vmapped pass for an MLP) give each teacher's own module's logits."""
     from fedistill.models import build_model
 
     models = []
     for seed in range(3):
         torch.manual_seed(seed)
-        model = build_model("resnet8", (1, 8, 8), M)
+        model = build_model(name, (1, 8, 8), M)
         for buf in model.buffers():
             if buf.is_floating_point():
                 buf.add_(0.3 * torch.rand_like(buf))  # BatchNorm statistics that differ per teacher
@@ -302,6 +305,7 @@ def test_batched_teacher_pass_equals_one_module_per_teacher():
     x = torch.randn(5, 1, 8, 8)
     expected = torch.stack([m(x) for m in models])
     assert torch.allclose(ensemble.all_logits(x), expected, atol=1e-5)
+    assert ensemble._batched_ok is vmapped
     assert torch.allclose(ensemble.logits(2, x), expected[2], atol=1e-5)
 
 
@@ -356,7 +360,10 @@ def test_fedftg_learns_on_label_skewed_digits(digits):
 
 
 def test_scaffold_plus_fedftg_learns_on_label_skewed_digits(digits):
-    assert_learns(digits, "scaffold", **{"algorithm.plus": {"fedftg": FAST_FTG}})
+    # lr 0.03, not the 0.05 of the other runs: at 0.05 this 10-client run diverged in round 12 in one test
+    # process (train loss 8 -> 1e2 -> 2e5) and reached 92 % in another, the two differing only in the last
+    # bits of round 2's loss. At 0.03 both realisations learn (89-90 % at round 15).
+    assert_learns(digits, "scaffold", **{"local.lr": 0.03, "algorithm.plus": {"fedftg": FAST_FTG}})
 
 
 @pytest.mark.parametrize("base", ["fednova", "fedavgm", "fedprox", "feddyn", "moon", "fedlmd"])

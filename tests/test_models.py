@@ -190,6 +190,42 @@ def test_backward_reaches_every_parameter(name, shape):
         assert p.grad.abs().sum() > 0, pname
 
 
+def _textbook_extract(model: ClassifierModel, x: torch.Tensor) -> torch.Tensor:
+    """The CNNs as the papers write them: conv -> ReLU -> max-pool (the library pools before the ReLU)."""
+    F = nn.functional
+    if model.__class__.__name__ == "FedAvgNet":
+        x = F.max_pool2d(F.relu(model.conv1(x)), 2)
+        x = F.max_pool2d(F.relu(model.conv2(x)), 2)
+    else:
+        x = F.relu(model.conv1(x))
+        x = F.max_pool2d(F.relu(model.conv2(x)), 2)
+    return F.relu(model.fc1(torch.flatten(x, 1)))
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("name,shape", [("cnn", (1, 28, 28)), ("digits_cnn", (1, 8, 8))])
+def test_relu_after_pooling_is_bitwise_the_textbook_order(name, shape, precision):
+    """max(relu(a)) = relu(max(a)), and the gradient reaches the same element either way: the speed-up
+    (ReLU on a quarter of the elements) must not change a single bit of outputs or gradients. A negative
+    input block checks the case where every element of a pooling window is cut by the ReLU."""
+    model = make(name, shape).train().to(memory_format=torch.channels_last)
+    x = batch(shape, 8).contiguous(memory_format=torch.channels_last)
+    x[0] = -x[0].abs()  # a sample whose windows are largely negative
+    y = torch.arange(8) % 10
+    grads = {}
+    for order, extract in (("library", model.extract), ("textbook", lambda t: _textbook_extract(model, t))):
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+            features = extract(x)
+            logits = model.classify(features)
+        nn.functional.cross_entropy(logits.float(), y).backward()
+        grads[order] = (features.detach(), logits.detach(), [p.grad.clone() for p in model.parameters()])
+    (f1, l1, g1), (f2, l2, g2) = grads["library"], grads["textbook"]
+    assert torch.equal(f1, f2) and torch.equal(l1, l2)
+    assert all(torch.equal(a, b) for a, b in zip(g1, g2))
+    assert (f1 == 0).any() and (f1 > 0).any()  # both sides of the ReLU are exercised
+
+
 # -- configuration errors -----------------------------------------------------------------------------
 
 

@@ -59,7 +59,7 @@ from ..registry import ALGORITHMS
 from .aggregate import aggregation_weights, weighted_mean
 from .base import ClientContext, Message, RoundInfo, ServerContext
 from .fedavg import FedAvg, FedAvgParams
-from .local import autocast_context
+from .local import autocast_context, fused
 from .server_modules import PersistentModule
 
 GENERATOR_KEY = "dafkd_generator"  # server.state: the global generator θ_g (flat, BN statistics included)
@@ -261,15 +261,19 @@ class DaFKD(FedAvg):
             discriminator.network.parameters() if discriminator.separate else discriminator.head.parameters()
         )
         if p.client_optimizer == "adam":
-            optimizer: torch.optim.Optimizer = torch.optim.Adam(joint_params, lr=info.lr, weight_decay=self.local.weight_decay)
+            optimizer: torch.optim.Optimizer = torch.optim.Adam(
+                joint_params, lr=info.lr, weight_decay=self.local.weight_decay, **fused(client.device)
+            )
         else:
             optimizer = torch.optim.SGD(
-                joint_params, lr=info.lr, momentum=self.local.momentum, weight_decay=self.local.weight_decay
+                joint_params, lr=info.lr, momentum=self.local.momentum, weight_decay=self.local.weight_decay,
+                **fused(client.device),
             )
         generator_params = list(generator.parameters())
         # The card's generator optimiser: Adam(0.5, 0.99), amsgrad; fresh each round on the local copy θ_k^g.
         optimizer_g = torch.optim.Adam(
-            generator_params, lr=p.generator_lr, betas=(0.5, 0.99), amsgrad=True, weight_decay=p.generator_weight_decay
+            generator_params, lr=p.generator_lr, betas=(0.5, 0.99), amsgrad=True, weight_decay=p.generator_weight_decay,
+            **fused(client.device),
         )
         model.train()
         discriminator.train()
@@ -418,7 +422,7 @@ def distil(
     last epoch's mean loss."""
     device = next(student.parameters()).device
     params = [q for q in student.parameters() if q.requires_grad]
-    optimizer = torch.optim.Adam(params, lr=p.distill_lr)
+    optimizer = torch.optim.Adam(params, lr=p.distill_lr, **fused(device))
     plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, factor=p.plateau_factor, patience=p.plateau_patience)
     was_training = student.training
     student.train()

@@ -57,7 +57,7 @@ from ..registry import ALGORITHMS
 from .base import ClientContext, Message, RoundInfo, ServerContext
 from .fedavg import FedAvg, FedAvgParams
 from .fedftg import TeacherEnsemble
-from .local import LocalResult, autocast_context
+from .local import LocalResult, autocast_context, fused
 from .server_modules import PersistentModule, label_counts
 
 GENERATOR_KEY = "feddf_generator"  # server.state: the generator's flat weights (BN statistics included)
@@ -221,7 +221,7 @@ class FedDF(FedAvg):
                 targets[rows.to(server.device)] = ensemble_target(logits.float(), self.teacher_scheme, p.temperature)
         student = server.model
         params = [q for q in student.parameters() if q.requires_grad]
-        optimizer = torch.optim.Adam(params, lr=p.distill_lr)  # fresh every round (official code)
+        optimizer = torch.optim.Adam(params, lr=p.distill_lr, **fused(server.device))  # fresh every round (official code)
         schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=p.distill_steps)
         self._student_mode(student)
         loss_sum = torch.zeros((), device=server.device)
@@ -256,9 +256,12 @@ class FedDF(FedAvg):
         student_params = [q for q in student.parameters() if q.requires_grad]
         # Fresh optimisers every round (card §4); the generator's weights persist.
         opt_generator = torch.optim.Adam(
-            generator_params, lr=p.generator_lr * scale, betas=(0.9, 0.999), weight_decay=p.generator_weight_decay
+            generator_params, lr=p.generator_lr * scale, betas=(0.9, 0.999), weight_decay=p.generator_weight_decay,
+            **fused(device),
         )
-        opt_student = torch.optim.SGD(student_params, lr=p.student_lr * scale, weight_decay=p.student_weight_decay)
+        opt_student = torch.optim.SGD(
+            student_params, lr=p.student_lr * scale, weight_decay=p.student_weight_decay, **fused(device)
+        )
         if p.label_sampling == "customized":
             pooled = torch.stack([r["label_counts"].to(torch.int64) for r in replies]).sum(dim=0)
         else:

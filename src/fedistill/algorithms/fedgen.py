@@ -51,7 +51,7 @@ from ..models.generators import FeatureGenerator
 from ..registry import ALGORITHMS
 from .base import ClientContext, Message, RoundInfo, ServerContext
 from .fedavg import FedAvg, FedAvgParams
-from .local import ExtraLoss, LocalResult, autocast_context
+from .local import ExtraLoss, LocalResult, autocast_context, fused
 from .server_modules import PersistentModule, label_counts
 
 GENERATOR_KEY = "fedgen_generator"
@@ -184,6 +184,7 @@ class FedGen(FedAvg):
             lr=p.generator_lr * p.generator_lr_decay ** (info.round - 1),  # ExponentialLR stepped once per round
             betas=(0.9, 0.999),
             weight_decay=p.generator_weight_decay,
+            **fused(device),
         )
         self._load_adam(server, optimizer, params)
         rng = make_generator(server.seed, FEDGEN, info.round)

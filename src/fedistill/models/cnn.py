@@ -57,8 +57,11 @@ class FedAvgNet(ClassifierModel):
         self.classifier = nn.Linear(hidden, self.num_classes)
 
     def extract(self, x: torch.Tensor) -> torch.Tensor:
-        x = F.max_pool2d(F.relu(self.conv1(x)), 2)
-        x = F.max_pool2d(F.relu(self.conv2(x)), 2)
+        # ReLU after the pooling: max(relu(a)) = relu(max(a)) and the gradient reaches the same element, so
+        # the outputs and gradients are bit-identical to conv -> ReLU -> pool, with the ReLU on a quarter of
+        # the elements (about 9% of a bf16 training step on MNIST; tests/test_models.py checks the identity).
+        x = F.relu(F.max_pool2d(self.conv1(x), 2))
+        x = F.relu(F.max_pool2d(self.conv2(x), 2))
         # flatten works on channels_last tensors too (it copies into the logical NCHW order).
         return F.relu(self.fc1(torch.flatten(x, 1)))
 
@@ -92,7 +95,7 @@ class DigitsCNN(ClassifierModel):
 
     def extract(self, x: torch.Tensor) -> torch.Tensor:
         x = F.relu(self.conv1(x))
-        x = F.max_pool2d(F.relu(self.conv2(x)), 2)
+        x = F.relu(F.max_pool2d(self.conv2(x), 2))  # = pool(relu(.)) bit for bit (see FedAvgNet.extract)
         return F.relu(self.fc1(torch.flatten(x, 1)))
 
 
