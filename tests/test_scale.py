@@ -244,3 +244,34 @@ def test_fedavg_on_synthetic_learns_in_two_rounds():
     history = Simulation(cfg, ds).run()
     assert history[-1]["test_accuracy"] > majority + 10, (history[-1]["test_accuracy"], majority)
     assert sum(history[-1]["train_label_counts"]) == int(ds.clients.sizes.sum())
+
+
+def test_run_directory_counts_only_the_first_generated_clients(tmp_path, digits):
+    """Counting a generated federation's labels generates every client (65 s at 100,000): the run directory
+    records the first 1,000 and says so; a stored partition is always counted whole."""
+    import io
+
+    from rich.console import Console
+
+    from fedistill.runner import run_experiment
+
+    base = {"dataset": {"name": "synthetic"}, "partition": {"scheme": "natural", "num_clients": 1_200}, "clients_per_round": 2}
+    cfg = build_config(base, {"rounds": 1, "model.name": "logistic", "local.epochs": 1, "run.out_dir": str(tmp_path),
+                              "run.progress": False, "dataset.synthetic.test_samples": 200})  # fmt: skip
+    fed = build_federation(cfg, load_synthetic(num_clients=1_200, seed=cfg.seed, test_samples=200))
+    counts, partial = fed.report_counts(limit=30)
+    assert partial and counts.shape == (30, 10)
+    assert np.array_equal(counts, fed.class_counts_of(range(30)))
+    assert np.array_equal(counts.sum(axis=1), fed.client_sizes()[:30])
+
+    out = io.StringIO()
+    run_experiment(cfg, console=Console(file=out, width=200))
+    (run,) = [p for p in tmp_path.iterdir() if p.is_dir()]
+    rows = (run / "partition_counts.csv").read_text().splitlines()
+    assert len(rows) == 1 + 1_000 and rows[-1].startswith("999,")
+    assert "first 1,000 of the 1,200 generated clients" in out.getvalue()
+    assert (run / "partition.png").stat().st_size > 0
+
+    stored = build_federation(small_config(**{"partition.num_clients": 40}), digits)
+    counts, partial = stored.report_counts(limit=10)
+    assert not partial and counts.shape[0] == 40

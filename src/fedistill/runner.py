@@ -119,9 +119,17 @@ def run_experiment(
     if sim.state.round < cfg.rounds or not resume:
         run_dir.write_config(cfg.resolved_dict())
         run_dir.write_environment(environment_info(cfg))
-    counts = sim.federation.class_counts()
+    counts, partial = sim.federation.report_counts()
     run_dir.write_partition(counts)
-    plot_partition(counts, run_dir.path / "partition.png", config_title(cfg))  # the same title as `fedistill partition`
+    title = config_title(cfg)  # the same title as `fedistill partition`
+    if partial:
+        title += f" (first {counts.shape[0]:,} of {sim.federation.num_clients:,} clients)"
+        if not quiet:
+            console.print(
+                f"[dim]partition_counts.csv and partition.png cover the first {counts.shape[0]:,} of the "
+                f"{sim.federation.num_clients:,} generated clients (counting all would generate every client's data)[/]"
+            )
+    plot_partition(counts, run_dir.path / "partition.png", title)
 
     key = "personal_accuracy" if cfg.accuracy_metric() == "personal" else "test_accuracy"
     log = RoundLog(console, run_dir.path / "run.log", cfg.rounds, sim.state.round, key, progress=cfg.run.progress, quiet=quiet)

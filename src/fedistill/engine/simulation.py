@@ -81,6 +81,15 @@ class Federation:
             out[row] = np.bincount(np.asarray(labels), minlength=self.dataset.num_classes)
         return out
 
+    def report_counts(self, limit: int = 1_000) -> tuple[np.ndarray, bool]:
+        """The label counts a run directory records (partition_counts.csv, partition.png), and whether they
+        stop short of the population: a generated federation makes every client's samples to count them
+        (0.65 ms per synthetic client: 6.5 s for 10,000, 65 s for 100,000), so past ``limit`` clients only the
+        first ``limit`` are counted. Stored partitions are counted whole (one pass over the labels)."""
+        if isinstance(self.train_indices, list) or self.num_clients <= limit:
+            return self.class_counts(), False
+        return self.class_counts_of(range(limit)), True
+
     def class_counts(self) -> np.ndarray:
         """K x C label counts of every client (O(N); a generated federation generates every client)."""
         if isinstance(self.train_indices, list):  # one pass over the labels

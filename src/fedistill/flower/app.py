@@ -309,9 +309,12 @@ def run_server(grid: Grid, cfg: Config, settings: FlowerSettings) -> dict[str, A
     if not settings.resume or runtime.state.round < cfg.rounds:
         run_dir.write_config(cfg.resolved_dict())
         run_dir.write_environment(environment_info(cfg))
-    counts = federation.class_counts()
+    counts, partial = federation.report_counts()  # a generated federation's first 1,000 clients (as fedistill run)
     run_dir.write_partition(counts)
-    plot_partition(counts, run_dir.path / "partition.png", config_title(cfg))  # as `fedistill run` and `partition`
+    title = config_title(cfg)  # as `fedistill run` and `partition`
+    if partial:
+        title += f" (first {counts.shape[0]:,} of {federation.num_clients:,} clients)"
+    plot_partition(counts, run_dir.path / "partition.png", title)
     # The accuracy that rounds, summaries and plots report, as `fedistill run`: the global model's on the
     # test set, or (partition.per_client_test) the clients' mean on their own test splits.
     accuracy_key, accuracy_name = (

@@ -338,7 +338,10 @@ def partition_figure(counts: np.ndarray, title: str = "", percent: bool = False)
         for side in ("left", "bottom"):
             ax_bar.spines[side].set_visible(False)
     else:
-        ax_bar.bar(np.arange(k), sizes, width=0.8 if k <= 300 else 1.0, color="0.45", linewidth=0)
+        if k <= 300:
+            ax_bar.bar(np.arange(k), sizes, width=0.8, color="0.45", linewidth=0)
+        else:  # one step outline instead of k bar patches: 10,000 bars took 6 s to draw
+            ax_bar.fill_between(np.arange(k), sizes, step="mid", color="0.45", linewidth=0)
         ax_bar.set_ylabel("samples")
         ax_bar.tick_params(labelbottom=False)
         ax_bar.yaxis.set_major_locator(MaxNLocator(nbins=3, integer=True))
