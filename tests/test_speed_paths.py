@@ -132,3 +132,16 @@ def test_resume_refuses_a_different_partition_of_the_same_configuration(make_con
     save_checkpoint(tmp_path / "cd" / "checkpoint.pt", payload)
     with pytest.raises(ConfigError, match="predates partition fingerprints"):
         Simulation(make_config(rounds=4, **{"partition.scheme": "client_dirichlet", "partition.alpha": 0.5}), digits, run_dir=tmp_path / "cd").restore()
+
+
+def test_a_cuda_run_asks_cudnn_for_deterministic_algorithms(monkeypatch):
+    """Exact resume on a GPU needs cuDNN's deterministic algorithms and no per-shape autotuning; the CPU
+    path leaves the flags alone. (No GPU in CI: the flags are checked, not a CUDA run.)"""
+    from fedistill.engine.perf import deterministic_kernels
+
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", True)
+    monkeypatch.setattr(torch.backends.cudnn, "deterministic", False)
+    deterministic_kernels(torch.device("cpu"))
+    assert torch.backends.cudnn.benchmark and not torch.backends.cudnn.deterministic
+    deterministic_kernels(torch.device("cuda", 0))
+    assert not torch.backends.cudnn.benchmark and torch.backends.cudnn.deterministic

@@ -1,4 +1,4 @@
-"""Process-level performance settings for CPU training.
+"""Process-level settings: the CPU allocator (below) and, on CUDA, deterministic cuDNN kernels.
 
 glibc returns large freed blocks (over the dynamic mmap threshold) to the operating system, so every
 training step re-maps and re-zeroes its activation buffers: with the FedLMD CNN in fp32 that was about
@@ -12,6 +12,10 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
@@ -33,3 +37,18 @@ def keep_freed_memory_in_heap(threshold_bytes: int = 1 << 28) -> bool:
     ok = mallopt(_M_MMAP_THRESHOLD, threshold_bytes) == 1 and mallopt(_M_TRIM_THRESHOLD, 4 * threshold_bytes) == 1
     _applied = ok
     return ok
+
+
+def deterministic_kernels(device: torch.device) -> None:
+    """On CUDA, make cuDNN pick the same convolution algorithms every run.
+
+    By default cuDNN may time several algorithms per shape and keep the fastest (``benchmark``), and some of its
+    backward algorithms accumulate with atomics: either makes two runs of one configuration differ, and a
+    resumed run differ from an uninterrupted one. The deterministic algorithms keep fedistill's guarantee
+    (seeded per (seed, round, client), resume exact) on a GPU, at some speed. CPU and MPS: nothing to do.
+    """
+    import torch
+
+    if device.type == "cuda":
+        torch.backends.cudnn.benchmark = False
+        torch.backends.cudnn.deterministic = True

@@ -26,7 +26,7 @@ from ..models.flat import get_flat, num_flat
 from .architectures import check_architectures, client_architectures
 from .executors import ProcessPoolExecutor, SequentialExecutor, client_threads, make_executor
 from .checkpoint import CHECKPOINT_NAME, check_compatible, load_checkpoint, save_checkpoint
-from .perf import keep_freed_memory_in_heap
+from .perf import deterministic_kernels, keep_freed_memory_in_heap
 from .state_store import DiskStateStore, MemoryStateStore, make_state_store
 from .seeding import CLIENT, INIT, SERVER, derive_seed, make_generator, sample_clients
 
@@ -282,6 +282,7 @@ class ServerRuntime:
         self.personal_on_clients = False
         self.num_clients = num_clients
         self.device = torch.device(cfg.run.device)
+        deterministic_kernels(self.device)
         self.algorithm = make_algorithm(cfg)
         self.architectures = check_architectures(cfg, self.algorithm, num_clients)
         # Each client's test split, where the server holds the partition: the global model's personalised
@@ -525,6 +526,7 @@ class ClientRuntime:
     ) -> None:
         self.cfg = cfg
         self.device = torch.device(cfg.run.device)
+        deterministic_kernels(self.device)
         self.train_indices = train_indices
         self.test_indices = test_indices
         self.algorithm = make_algorithm(cfg)
