@@ -27,7 +27,7 @@ pytest.importorskip("flwr", reason="flwr is not installed: pip install 'fedistil
 
 from flwr.app import ConfigRecord, Context, Message as FlowerMessage, RecordDict  # noqa: E402
 
-from fedistill.engine.simulation import ServerRuntime, round_info  # noqa: E402
+from fedistill.engine.simulation import ServerRuntime, build_federation, round_info  # noqa: E402
 from fedistill.flower import app as flower_app  # noqa: E402
 from fedistill.flower import supernode as fast_supernode  # noqa: E402
 from fedistill.flower import worker as flower_worker  # noqa: E402
@@ -147,13 +147,16 @@ def test_a_new_run_another_configuration_or_node_does_not_reuse_the_cache(counte
     runtime, _ = next(iter(flower_app._CLIENT_CACHE.values()))
     assert runtime.cfg.local.lr == 0.01
 
-    # another node identity (partition-id) in the same run: its own partition, built afresh
+    # another partition-id of the same run (a Ray simulation worker serves many): the same runtime, nothing
+    # loaded again, and the reply is that partition's own update
     third = Node(other_cfg, run_id=22, partition_id=1)
     flower_app.client_app(third.hello(), third.context)
-    flower_app.client_app(third.train(1), third.context)
-    assert len(counted_loads) == 4
+    reply = flower_app.client_app(third.train(1), third.context)
+    assert len(counted_loads) == 3
     runtime, _ = next(iter(flower_app._CLIENT_CACHE.values()))
-    assert set(runtime.train_indices) == {1}
+    fed = build_federation(other_cfg, load_dataset_for(other_cfg))
+    assert records_to_message(reply.content)["num_samples"] == int(fed.client_sizes()[1])
+    assert torch.equal(runtime.train_indices[1], fed.train_indices[1])
     assert flower_app.client_cache_info()["entries"] == 1  # one run's data at a time
 
 

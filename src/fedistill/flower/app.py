@@ -500,9 +500,10 @@ def server_main(grid: Grid, context: Context) -> None:
 # `flwr-clientapp` handles one message per process, so there the cache lives for one message; in the
 # long-running worker (`python -m fedistill.flower clientapp`, :mod:`.worker`) and in Ray's simulation
 # workers it lives for the whole run. The key holds everything the runtime is built from -- the run id,
-# the run's configuration (JSON), the node's partition-id, num-partitions, data-dir and threads -- so a
-# new run (a resume included), another configuration or another data directory builds afresh, and the
-# files of a site are read again for every run. One entry at a time: a finished run's data is dropped.
+# the run's configuration (JSON), num-partitions, data-dir (with the partition-id of a site with its own
+# files) and threads -- so a new run (a resume included), another configuration or another data directory
+# builds afresh, the files of a site are read again for every run, and one runtime serves every partition-id
+# of the run's dataset that reaches this process. One entry at a time: a finished run's data is dropped.
 _CLIENT_CACHE: dict[tuple[Any, ...], Any] = {}
 _CACHE_COUNTS = {"builds": 0, "hits": 0}
 
@@ -548,7 +549,10 @@ def _client_threads(cfg: Config, node_config: dict[str, Any]) -> int:
 def _client_runtime(config_json: str, node_config: dict[str, Any], run_id: int | None = None) -> Any:
     """The ClientRuntime of this node for run ``run_id`` (cached in the process: see ``_CLIENT_CACHE``)."""
     pid, count, data_dir = _node_identity(node_config)
-    key = (run_id, config_json, pid, count, data_dir, str(node_config.get("threads", "")))
+    # A partition of the run's dataset is one view of a federation every partition-id shares: the key leaves
+    # the partition-id out, so a process that serves many of them (a Ray simulation worker) builds once. A
+    # site's own files are that site's alone.
+    key = (run_id, config_json, pid if data_dir else None, count, data_dir, str(node_config.get("threads", "")))
     cached = _CLIENT_CACHE.get(key)
     if cached is not None:
         runtime, threads = cached
@@ -576,8 +580,8 @@ def _client_runtime(config_json: str, node_config: dict[str, Any], run_id: int |
             )
         dataset = load_dataset_for(cfg)
         fed = build_federation(cfg, dataset)
-        train = {pid: fed.train_indices[pid]}
-        test = {pid: fed.test_indices[pid]} if fed.test_indices is not None else None
+        train = fed.train_map()  # every partition's indices (views): any partition-id this process serves
+        test = fed.test_map()
     runtime = ClientRuntime(cfg, dataset, train, test)
     _CLIENT_CACHE.clear()
     _CLIENT_CACHE[key] = (runtime, threads)
