@@ -43,3 +43,21 @@ def test_load_reuses_one_module_and_store_round_trips_through_the_state():
     fresh_server.state["g"] = server.state["g"].clone()
     other = PersistentModule("g", 1, lambda s: nn.Linear(2, 3)).load(fresh_server)  # a resumed process
     assert torch.equal(other.weight, first.weight)
+
+
+def test_a_channels_last_run_gets_a_channels_last_module_with_the_same_stored_weights():
+    def build(server):
+        return nn.Sequential(nn.Conv2d(3, 8, 3), nn.Conv2d(8, 4, 3))
+
+    nchw = ServerContext(model=nn.Conv2d(3, 8, 3), state={}, generator=torch.Generator(), num_classes=2, seed=3)
+    last = ServerContext(
+        model=nn.Conv2d(3, 8, 3).to(memory_format=torch.channels_last), state={}, generator=torch.Generator(),
+        num_classes=2, seed=3,
+    )  # fmt: skip
+    plain = PersistentModule("g", 1, build).load(nchw)
+    fast = PersistentModule("g", 1, build).load(last)
+    assert plain[1].weight.is_contiguous() and not plain[1].weight.is_contiguous(memory_format=torch.channels_last)
+    assert fast[1].weight.is_contiguous(memory_format=torch.channels_last) and not fast[1].weight.is_contiguous()
+    assert torch.equal(nchw.state["g"], last.state["g"])  # the same θ⁰, whatever the layout
+    x = torch.randn(2, 3, 9, 9)
+    torch.testing.assert_close(fast(x.contiguous(memory_format=torch.channels_last)), plain(x), rtol=1e-5, atol=1e-5)

@@ -45,12 +45,23 @@ class PersistentModule:
         """The reused module holding the stored weights."""
         vector = self.init_state(server)
         if self._module is None:
-            self._module = self.initial(server).to(server.device)
-        set_flat(self._module, vector)
+            module = self.initial(server).to(server.device)
+            if _channels_last(server.model):  # as the run's models (run.channels_last): FedFTG's generator
+                module = module.to(memory_format=torch.channels_last)  # step was about 10% faster so on CPU
+            self._module = module
+        set_flat(self._module, vector)  # copies into the tensors, keeping their memory format
         return self._module
 
     def store(self, server: ServerContext, module: nn.Module) -> None:
         server.state[self.key] = get_flat(module)
+
+
+def _channels_last(model: nn.Module) -> bool:
+    """Whether ``model``'s convolution weights are stored channels-last (a 1-channel kernel is both formats)."""
+    return any(
+        t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last) and not t.is_contiguous()
+        for t in model.parameters()
+    )
 
 
 def label_counts(client: ClientContext) -> torch.Tensor:
