@@ -360,9 +360,9 @@ def test_fedftg_learns_on_label_skewed_digits(digits):
 
 
 def test_scaffold_plus_fedftg_learns_on_label_skewed_digits(digits):
-    # lr 0.03, not the 0.05 of the other runs: at 0.05 this 10-client run diverged in round 12 in one test
-    # process (train loss 8 -> 1e2 -> 2e5) and reached 92 % in another, the two differing only in the last
-    # bits of round 2's loss. At 0.03 both realisations learn (89-90 % at round 15).
+    # lr 0.03, not the 0.05 of the other runs: at 0.05 this 10-client run diverged in round 12 with one
+    # intra-op thread (train loss 8 -> 1e2 -> 2e5; the suite's xdist workers use one) and reached 92 % with
+    # two, the two differing only in the summation order of their kernels. At 0.03 both learn (89-90 %).
     assert_learns(digits, "scaffold", **{"local.lr": 0.03, "algorithm.plus": {"fedftg": FAST_FTG}})
 
 
