@@ -45,6 +45,29 @@ def small_config(**overrides):
     return build_config(base, overrides)
 
 
+def flower_config(**overrides):
+    """small_config with 3 clients (one SuperNode each) and one thread per process (the Flower tests)."""
+    return small_config(**{"partition.num_clients": 3, "run.threads": 1, **overrides})
+
+
+@pytest.fixture
+def keep_threads():
+    """Restore torch's thread count after a test that builds runtimes setting it."""
+    threads = torch.get_num_threads()
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def toy_dataset(n=20, c=3, h=8, w=8, classes=4, seed=0, mean=0.5, std=0.25, test=5) -> Dataset:
+    """n random uint8 images, labels 0..classes-1 in turn; the first ``test`` double as the test split."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, 256, (n, c, h, w), dtype=torch.uint8, generator=g)
+    y = torch.arange(n) % classes
+    return Dataset("toy", x, y, x[:test], y[:test], classes, (mean,) * c, (std,) * c)
+
+
 @pytest.fixture
 def make_config():
     return small_config

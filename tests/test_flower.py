@@ -31,6 +31,7 @@ from fedistill.engine.simulation import Simulation, build_model_for  # noqa: E40
 from fedistill.errors import ConfigError  # noqa: E402
 from fedistill.models.flat import get_flat  # noqa: E402
 from fedistill.runner import load_dataset_for  # noqa: E402
+from conftest import flower_config  # noqa: E402
 
 from fedistill.flower import app as flower_app  # noqa: E402
 from fedistill.flower.records import (  # noqa: E402
@@ -43,20 +44,6 @@ from fedistill.flower.records import (  # noqa: E402
 from fedistill.flower.settings import FlowerSettings  # noqa: E402
 
 
-def flower_config(**overrides):
-    """conftest's small config with 3 clients (one SuperNode each) and one thread per process."""
-    from conftest import small_config
-
-    return small_config(**{"partition.num_clients": 3, "run.threads": 1, **overrides})
-
-
-@pytest.fixture
-def keep_threads():
-    threads = torch.get_num_threads()
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 def simulate(cfg):

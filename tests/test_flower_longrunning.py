@@ -33,21 +33,9 @@ from fedistill.flower import supernode as fast_supernode  # noqa: E402
 from fedistill.flower import worker as flower_worker  # noqa: E402
 from fedistill.flower.records import message_to_records, records_to_message  # noqa: E402
 from fedistill.runner import load_dataset_for  # noqa: E402
+from conftest import flower_config  # noqa: E402
 
 
-def flower_config(**overrides):
-    from conftest import small_config
-
-    return small_config(**{"partition.num_clients": 3, "run.threads": 1, **overrides})
-
-
-@pytest.fixture
-def keep_threads():
-    threads = torch.get_num_threads()
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 @pytest.fixture

@@ -4,15 +4,12 @@ from __future__ import annotations
 
 import torch
 
-from fedistill.data.dataset import Dataset
+from conftest import toy_dataset
 from fedistill.data.pipeline import AugmentSpec, TensorPipeline, cutout, random_crop, random_flip
 
 
 def _dataset(n=20, c=3, h=8, w=8):
-    g = torch.Generator().manual_seed(0)
-    x = torch.randint(0, 256, (n, c, h, w), dtype=torch.uint8, generator=g)
-    y = torch.arange(n) % 4
-    return Dataset("toy", x, y, x[:5], y[:5], 4, (0.5,) * c, (0.25,) * c)
+    return toy_dataset(n, c, h, w)
 
 
 def test_normalise_matches_formula():

@@ -9,17 +9,14 @@ import torch
 import torch.nn.functional as F
 
 from fedistill.algorithms.local import evaluate
-from fedistill.data.dataset import Dataset
+from conftest import toy_dataset
 from fedistill.data.pipeline import AugmentSpec, TensorPipeline
 from fedistill.engine.executors import state_to
 from fedistill.engine.simulation import Simulation
 
 
 def _dataset(n=53, c=1, h=12, w=12):
-    g = torch.Generator().manual_seed(1)
-    x = torch.randint(0, 256, (n, c, h, w), dtype=torch.uint8, generator=g)
-    y = torch.arange(n) % 5
-    return Dataset("toy", x, y, x[:9], y[:9], 5, (0.4,) * c, (0.3,) * c)
+    return toy_dataset(n, c, h, w, classes=5, seed=1, mean=0.4, std=0.3, test=9)
 
 
 def test_the_accelerator_epoch_path_gives_the_host_paths_batches():
