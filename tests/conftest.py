@@ -60,6 +60,19 @@ def keep_threads():
         torch.set_num_threads(threads)
 
 
+@pytest.fixture
+def task_identity():
+    """What a Flower process sets before app code creates Messages (flwr internals; the Flower tests only)."""
+    from flwr.supercore.task_identity import TaskIdentity
+
+    saved = (TaskIdentity._task_id, TaskIdentity._run_id, TaskIdentity._node_id)
+    TaskIdentity.task_id, TaskIdentity.run_id, TaskIdentity.node_id = 1, 1, 0
+    try:
+        yield
+    finally:
+        TaskIdentity._task_id, TaskIdentity._run_id, TaskIdentity._node_id = saved
+
+
 def toy_dataset(n=20, c=3, h=8, w=8, classes=4, seed=0, mean=0.5, std=0.25, test=5) -> Dataset:
     """n random uint8 images, labels 0..classes-1 in turn; the first ``test`` double as the test split."""
     g = torch.Generator().manual_seed(seed)

@@ -207,17 +207,6 @@ def over_the_wire(obj):
     return back
 
 
-@pytest.fixture
-def task_identity():
-    """What a flwr-serverapp process sets before ServerApp code creates Messages (flwr internals, tests only)."""
-    from flwr.supercore.task_identity import TaskIdentity
-
-    saved = (TaskIdentity._task_id, TaskIdentity._run_id, TaskIdentity._node_id)
-    TaskIdentity.task_id, TaskIdentity.run_id, TaskIdentity.node_id = 1, 1, 0
-    try:
-        yield
-    finally:
-        TaskIdentity._task_id, TaskIdentity._run_id, TaskIdentity._node_id = saved
 
 
 def nodes_for(k: int, **extra) -> dict[int, dict]:

@@ -38,17 +38,6 @@ from conftest import flower_config  # noqa: E402
 
 
 
-@pytest.fixture
-def task_identity():
-    """What a Flower process sets before app code creates Messages (flwr internals, tests only)."""
-    from flwr.supercore.task_identity import TaskIdentity
-
-    saved = (TaskIdentity._task_id, TaskIdentity._run_id, TaskIdentity._node_id)
-    TaskIdentity.task_id, TaskIdentity.run_id, TaskIdentity.node_id = 1, 1, 0
-    try:
-        yield
-    finally:
-        TaskIdentity._task_id, TaskIdentity._run_id, TaskIdentity._node_id = saved
 
 
 @pytest.fixture
