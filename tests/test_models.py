@@ -226,6 +226,52 @@ def test_relu_after_pooling_is_bitwise_the_textbook_order(name, shape, precision
     assert (f1 == 0).any() and (f1 > 0).any()  # both sides of the ReLU are exercised
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(3, 4, 8, 8), (2, 5, 7, 9), (1, 3, 2, 3)])
+def test_inference_pooling_equals_max_pool2d(shape, dtype):
+    """Without autograd the CNNs pool with maxima of strided sub-grids: the values of ``F.max_pool2d(x, 2)``
+    exactly, with odd edges dropped (floor), NaN propagated, ties and channels-last kept."""
+    from fedistill.models.cnn import max_pool_2x2
+
+    x = torch.randn(shape).to(dtype)
+    x[0, 0, 0, :2] = 1.5  # a tie inside a window
+    x[-1, -1, 1, 1] = float("nan")
+    for layout in (torch.contiguous_format, torch.channels_last):
+        xl = x.contiguous(memory_format=layout)
+        expected = nn.functional.max_pool2d(xl, 2)
+        for context in (torch.no_grad, torch.inference_mode):
+            with context():
+                got = max_pool_2x2(xl)
+            assert got.shape == expected.shape and got.dtype == dtype
+            assert torch.equal(got.nan_to_num(7.0), expected.nan_to_num(7.0))
+            assert got[-1, -1, 0, 0].isnan()
+            if layout is torch.channels_last and shape[1] > 1:
+                assert got.is_contiguous(memory_format=torch.channels_last)  # the next conv gets its layout
+
+
+def test_pooling_with_autograd_keeps_the_native_tie_rule():
+    """With autograd the native kernel pools: the gradient of a tied window goes whole to its first maximum
+    (``torch.maximum`` would split it), which the bitwise training results rely on."""
+    from fedistill.models.cnn import max_pool_2x2
+
+    x = torch.zeros(1, 1, 2, 2, requires_grad=True)
+    max_pool_2x2(x).sum().backward()
+    assert x.grad.flatten().tolist() == [1.0, 0.0, 0.0, 0.0]
+
+
+@pytest.mark.parametrize("name,shape", [("cnn", (1, 28, 28)), ("digits_cnn", (1, 8, 8))])
+def test_cnn_inference_forward_equals_the_training_forward(name, shape):
+    """The evaluation/teacher forward (no autograd) gives the logits of the forward that trains, bit for bit."""
+    model = make(name, shape).eval().to(memory_format=torch.channels_last)
+    x = batch(shape, 6).contiguous(memory_format=torch.channels_last)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        trained = model(x)
+        with torch.inference_mode():
+            inferred = model(x)
+    assert trained.requires_grad and not inferred.requires_grad
+    assert torch.equal(trained.detach(), inferred)
+
+
 # -- configuration errors -----------------------------------------------------------------------------
 
 
