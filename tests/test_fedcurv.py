@@ -154,6 +154,28 @@ def test_client_kept_statistics_keep_the_server_at_two_vectors(make_config, digi
     assert (server_mode["bytes_down"], server_mode["bytes_up"]) == (client_mode["bytes_down"], client_mode["bytes_up"])
 
 
+def test_client_kept_statistics_stay_summed_when_states_are_stored_in_bf16(make_config, digits):
+    """With bf16 client states each client uploads the change of the u_k it keeps (rounded), so U stays the sum
+    of the held u_k: formed from the unrounded u_k, U drifted from it by 7e-3 in 4 rounds (max U about 3.7)."""
+    cfg = make_config(**{"algorithm.name": "fedcurv", "algorithm.own_stats": "client", "rounds": 4, "run.client_state_dtype": "bf16"})
+    sim = Simulation(cfg, digits)
+    sim.run()
+    held = torch.stack([s["fedcurv_u"].double() for s in sim.state.client_states.values()]).sum(0)
+    assert float((sim.server.state["fedcurv_U"] - held).abs().max()) < 1e-6
+
+
+def test_others_fisher_sum_is_clamped_at_zero():
+    """P_k = Σ_{j≠k} u_j ≥ 0 (card §3): a float difference a rounding below zero is cut to 0 (λ P w² must not
+    turn concave); Q_k keeps its sign."""
+    from test_independent_expectations import Linear, hand_client, method
+
+    algo = method("fedcurv", own_stats="client")
+    client = hand_client([((1.0,), 0)], 2, Linear(1, 2), state={"fedcurv_u": torch.tensor([1.0, 2.0]), "fedcurv_v": torch.tensor([1.0, -1.0])})
+    p, q = algo._others(client, {"fisher_sum_u": torch.tensor([1.0 - 1e-7, 5.0]), "fisher_sum_v": torch.tensor([0.5, -4.0])})
+    assert p.tolist() == [0.0, 3.0]
+    assert q.tolist() == [-0.5, -3.0]
+
+
 def test_client_kept_statistics_resume_exactly(digits, tmp_path):
     assert_resume_is_exact(
         digits, tmp_path, "fedcurv", server_keys=("fedcurv_U", "fedcurv_V"), client_keys=("fedcurv_u", "fedcurv_v"),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 from conftest import assert_learns, assert_resume_is_exact
@@ -44,8 +45,11 @@ def test_one_full_batch_step_sets_the_client_variate_to_that_gradient(make_confi
     assert torch.allclose(reply["control_delta"], grad, atol=1e-5)  # c_k was 0
 
 
-def test_server_variate_is_the_mean_of_all_client_variates_and_others_are_untouched(make_config, digits):
-    sim = Simulation(make_config(algorithm="scaffold", rounds=3), digits)
+@pytest.mark.parametrize("state_dtype", ["fp32", "bf16"])
+def test_server_variate_is_the_mean_of_all_client_variates_and_others_are_untouched(make_config, digits, state_dtype):
+    """Card §7, also when the clients' states are stored in bf16: Δc_k is then formed from the rounded c_k the
+    client keeps (forming it from the unrounded one let c drift from the mean by 2e-4 in 4 rounds)."""
+    sim = Simulation(make_config(algorithm="scaffold", rounds=3, **{"run.client_state_dtype": state_dtype}), digits)
     k = sim.federation.num_clients
     for rnd in (1, 2, 3):
         before = {cid: s["scaffold_c"].clone() for cid, s in sim.state.client_states.items() if "scaffold_c" in s}
@@ -75,3 +79,15 @@ def test_resume_equals_uninterrupted(digits, tmp_path):
 
 def test_scaffold_learns_on_label_skewed_digits(digits):
     assert_learns(digits, "scaffold")
+
+
+def test_client_variate_is_kept_on_the_host_whatever_the_training_device():
+    """c_k is combined with the message's host tensors (the control c, the broadcast weights): created on an
+    accelerator it made the first local update fail there. ``meta`` stands in for an accelerator."""
+    from test_independent_expectations import Linear, hand_client, method
+
+    algo = method("scaffold")
+    client = hand_client([((1.0,), 0)], 2, Linear(1, 2))
+    client.device = torch.device("meta")
+    algo.grad_correction(client, {"control": torch.zeros(2), "weights": torch.zeros(2)})
+    assert client.state["scaffold_c"].device.type == "cpu"

@@ -106,6 +106,9 @@ class ClientContext:
     # w_g^0: the seeded initial global model, known to every client from the config (MOON's first "previous")
     initial_weights: torch.Tensor | None = None
     round: int = 0  # the current round t (1-based), as in RoundInfo; schedules such as FedLMD's switch use it
+    # How ``state`` is kept between rounds (run.client_state_dtype): "bf16" rounds its float32 tensors when
+    # saved. A client uploading the change of a state entry computes it from engine.state_store.as_stored.
+    state_dtype: str = "fp32"
 
     @property
     def num_samples(self) -> int:

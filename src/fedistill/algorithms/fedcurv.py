@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from pydantic import Field
 from torch.func import functional_call, grad, vmap
 
+from ..engine.state_store import as_stored
 from ..losses import curvature_penalty
 from ..models.flat import flat_parameters, split_like, trainable_parameters
 from ..registry import ALGORITHMS
@@ -172,11 +173,16 @@ class FedCurv(FedAvg):
     def _others(self, client: ClientContext, msg: Message) -> tuple[torch.Tensor, torch.Tensor]:
         """``(P_k, Q_k)``: the other clients' summed statistics (card §3)."""
         if self.params.own_stats == "server":
-            return msg["fisher_p"], msg["fisher_q"]
-        own_u, own_v = client.state.get("fedcurv_u"), client.state.get("fedcurv_v")
-        if own_u is None:
-            return msg["fisher_sum_u"].clone(), msg["fisher_sum_v"].clone()
-        return msg["fisher_sum_u"] - own_u, msg["fisher_sum_v"] - own_v
+            p, q = msg["fisher_p"], msg["fisher_q"]
+        else:
+            own_u, own_v = client.state.get("fedcurv_u"), client.state.get("fedcurv_v")
+            if own_u is None:
+                p, q = msg["fisher_sum_u"], msg["fisher_sum_v"].clone()
+            else:
+                p, q = msg["fisher_sum_u"] - own_u, msg["fisher_sum_v"] - own_v
+        # P_k is a sum of squared gradients, so never negative; a difference of float sums can leave entries a
+        # rounding below 0, where λ P_k w² would turn concave and push w away (card §3). A new tensor either way.
+        return p.clamp_min(0.0), q
 
     def extra_loss(self, client: ClientContext, msg: Message) -> ExtraLoss:
         params = trainable_parameters(client.model)
@@ -192,6 +198,9 @@ class FedCurv(FedAvg):
         if self.params.own_stats == "server":
             return {"fisher_u": u, "fisher_v": v}
         old_u, old_v = client.state.get("fedcurv_u"), client.state.get("fedcurv_v")
+        # The changes of the values the client keeps (rounded when states are stored in bf16): the server's
+        # U, V stay the sums of the clients' kept u_k, v_k instead of drifting by the rounding.
+        u, v = as_stored(u, client.state_dtype), as_stored(v, client.state_dtype)
         client.state["fedcurv_u"], client.state["fedcurv_v"] = u, v
         if old_u is None:
             return {"fisher_du": u.clone(), "fisher_dv": v.clone()}

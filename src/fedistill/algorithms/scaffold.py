@@ -13,6 +13,7 @@ from typing import Any, Callable
 
 import torch
 
+from ..engine.state_store import as_stored
 from ..models.flat import add_to_gradients, flat_parameters, trainable_mask, trainable_parameters
 from ..registry import ALGORITHMS
 from .base import ClientContext, Message, RoundInfo, ServerContext
@@ -45,7 +46,9 @@ class Scaffold(FedAvg):
     # -- client ---------------------------------------------------------------------------------
     def _client_control(self, client: ClientContext, size: int) -> torch.Tensor:
         if "scaffold_c" not in client.state:
-            client.state["scaffold_c"] = torch.zeros(size, device=client.device)  # c_k starts at 0 (card §2)
+            # c_k starts at 0 (card §2). On the host like every message tensor and every other client state:
+            # add_to_gradients moves the correction to the parameters' device.
+            client.state["scaffold_c"] = torch.zeros(size)
         return client.state["scaffold_c"]
 
     def grad_correction(self, client: ClientContext, msg: Message) -> Callable[[torch.nn.Module], None]:
@@ -63,6 +66,9 @@ class Scaffold(FedAvg):
         global_params = msg["weights"][trainable_mask(client.model)]
         drift = global_params.double() - flat_parameters(client.model).double()
         c_new = (c_k.double() - c.double() + drift / (k_eff * info.lr)).float()
+        # Δc_k of the value the client keeps (rounded when the state is stored in bf16), so that the server's
+        # c stays the mean of the c_k the clients hold (card §7) instead of drifting by the rounding.
+        c_new = as_stored(c_new, client.state_dtype)
         delta = c_new - c_k
         client.state["scaffold_c"] = c_new
         return {"control_delta": delta}

@@ -573,6 +573,7 @@ class ClientRuntime:
             precision=self.cfg.run.precision,
             initial_weights=self.initial_weights_of[name],
             round=rnd,
+            state_dtype=self.cfg.run.client_state_dtype,
         )
 
     def update(self, cid: int, info: RoundInfo, msg: Message, state: dict[str, Any]) -> Message:

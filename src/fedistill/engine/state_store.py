@@ -49,6 +49,16 @@ def _check_dtype(dtype: str) -> str:
     return dtype
 
 
+def as_stored(tensor: torch.Tensor, dtype: str) -> torch.Tensor:
+    """``tensor`` as a store of ``dtype`` will give it back after a save and a load (float32 through bfloat16
+    for bf16; anything else unchanged). A client that uploads the change of a state entry the server sums
+    (SCAFFOLD's ``c_k``, FedCurv's ``u_k``) computes that change from this value, so that the server's sum
+    stays the sum of what the clients keep."""
+    if dtype == "bf16" and tensor.dtype == torch.float32:
+        return tensor.to(torch.bfloat16).float()
+    return tensor
+
+
 def pack_state(state: dict[str, Any], dtype: str) -> dict[str, Any]:
     """The state as a store keeps it: unchanged for fp32; for bf16 a new dict whose float32 tensors are
     rounded to bfloat16 (round to nearest even), with the names of the rounded entries recorded."""
