@@ -7,6 +7,8 @@ import torch
 import torch.nn.functional as F
 from conftest import assert_learns, assert_same_rounds, global_vectors
 
+from fedistill.algorithms.aggregate import ServerMomentum
+from fedistill.algorithms.fedlmd import FedLMD
 from fedistill.engine.simulation import Simulation
 from fedistill.losses import (
     knowledge_distillation,
@@ -15,7 +17,9 @@ from fedistill.losses import (
     majority_labels,
     masked_teacher_log_distribution,
     not_true_distillation,
+    proximal_term,
 )
+from fedistill.registry import ALGORITHMS
 
 C = 10
 
@@ -184,8 +188,20 @@ def test_beta_zero_is_fedavg_step_for_step(make_config, digits, algorithm):
     assert_same_rounds(make_config(algorithm="fedavg"), make_config(**{"algorithm.name": algorithm, "algorithm.beta": 0.0}), digits)
 
 
-def test_switch_round_zero_is_fedlmd_and_past_the_end_is_tf(make_config, digits):
-    assert_same_rounds(make_config(algorithm="fedlmd"), make_config(**{"algorithm.name": "fedlmd", "algorithm.switch_round": 0}), digits)
+def test_switch_round_zero_is_fedlmd_and_past_the_end_is_tf(make_config, digits, monkeypatch):
+    """Card §7: R = 0 is FedLMD (the teacher from round 1 on), R ≥ T is FedLMD-Tf. R = 0 is also the default,
+    so comparing it with the default alone proves nothing: which rounds load the teacher is counted."""
+    from fedistill.algorithms.teacher import GlobalTeacher
+
+    loads = []
+    load = GlobalTeacher.load
+    monkeypatch.setattr(GlobalTeacher, "load", lambda self, client, w: loads.append(client.round) or load(self, client, w))
+    for switch, teacher_rounds in ((0, {1, 2}), (1, {2}), (2, set())):
+        loads.clear()
+        Simulation(make_config(rounds=2, **{"algorithm.name": "fedlmd", "algorithm.switch_round": switch}), digits).run()
+        assert set(loads) == teacher_rounds, switch
+    zero = make_config(**{"algorithm.name": "fedlmd", "algorithm.switch_round": 0})
+    assert not torch.equal(global_vectors(zero, digits, 1)[0], global_vectors(make_config(algorithm="fedlmd_tf"), digits, 1)[0])
     assert_same_rounds(make_config(algorithm="fedlmd_tf"), make_config(**{"algorithm.name": "fedlmd", "algorithm.switch_round": 2}), digits)
 
 
@@ -202,18 +218,46 @@ def test_prox_with_mu_zero_and_avgm_with_zero_momentum_are_fedlmd(make_config, d
     assert_same_rounds(make_config(algorithm="fedlmd"), make_config(**{"algorithm.name": "fedlmd", "algorithm.plus": plus}), digits)
 
 
+class LMDWithProxAndMomentum(FedLMD):
+    """FedLMD+Prox+AvgM (Table 5) written by hand: the LMD term plus (μ/2)||w − w_g||², FedAvgM's server."""
+
+    def extra_loss(self, client, msg):
+        lmd = super().extra_loss(client, msg)
+        params = [p for p in client.model.parameters() if p.requires_grad]
+        anchors = [p.detach().clone() for p in params]
+        return lambda model, x, y, logits, f: lmd(model, x, y, logits, f) + proximal_term(params, anchors, 0.5)
+
+    def server_optimizer(self, server):
+        return ServerMomentum(0.7, 1.0)
+
+
+def test_prox_and_avgm_on_fedlmd_equal_the_hand_written_combination(make_config, digits, monkeypatch):
+    """With effective μ and β_m (the zero-valued check above would pass if ``plus`` were ignored)."""
+    monkeypatch.setitem(ALGORITHMS._entries, "lmd_prox_momentum_by_hand", LMDWithProxAndMomentum)
+    plus = {"fedprox": {"mu": 0.5}, "fedavgm": {"server_momentum": 0.7}}
+    composed = make_config(**{"algorithm.name": "fedlmd", "algorithm.plus": plus})
+    assert_same_rounds(make_config(**{"algorithm.name": "lmd_prox_momentum_by_hand"}), composed, digits, rounds=3)
+    assert not torch.equal(global_vectors(composed, digits, 3)[-1], global_vectors(make_config(algorithm="fedlmd"), digits, 3)[-1])
+
+
 def test_bytes_per_round_equal_fedavgs(make_config, digits):
     rows = {a: Simulation(make_config(algorithm=a, rounds=1), digits).run()[0] for a in ("fedavg", "fedlmd", "fedlmd_tf")}
     for a in ("fedlmd", "fedlmd_tf"):
         assert (rows[a]["bytes_down"], rows[a]["bytes_up"]) == (rows["fedavg"]["bytes_down"], rows["fedavg"]["bytes_up"])
 
 
-def test_majority_set_is_the_clients_own_and_computed_once(make_config, digits):
-    sim = Simulation(make_config(algorithm="fedlmd", rounds=2), digits)
+def test_majority_set_is_the_clients_own_and_computed_once(make_config, digits, monkeypatch):
+    import fedistill.algorithms.fedlmd as fedlmd_module
+
+    computed = []
+    rule = fedlmd_module.majority_labels
+    monkeypatch.setattr(fedlmd_module, "majority_labels", lambda counts, r: computed.append(1) or rule(counts, r))
+    sim = Simulation(make_config(algorithm="fedlmd", rounds=4), digits)
     sim.run()
     algorithm = sim.client_runtime.algorithm
     counts = sim.federation.class_counts()
     assert algorithm._majority  # filled for the clients that trained
+    assert len(computed) == len(algorithm._majority)  # once per client, however often it trained (card §3)
     for cid, m in algorithm._majority.items():
         # card §3, by hand (not through majority_labels, the function under test): n_kc > n_k / C over all C classes
         n_kc = [int(c) for c in counts[cid]]
