@@ -53,7 +53,7 @@ from ..losses import (
     domain_log_importance,
     generator_adversarial_loss,
 )
-from ..models.flat import get_flat, set_flat
+from ..models.flat import get_flat, running_statistics_kept, set_flat
 from ..models.generators import build_generator
 from ..registry import ALGORITHMS
 from .aggregate import aggregation_weights, weighted_mean
@@ -300,11 +300,15 @@ class DaFKD(FedAvg):
                 loss_sum += loss.detach().double() * y.shape[0]
                 seen += int(y.shape[0])
                 if train_g and gan_epoch:  # Eq. (3): only θ_k^g moves (gradients for the generator alone)
-                    with autocast_context(client.precision, client.device):
-                        fake_logits = discriminator.logits(model, generator(self._noise(x.shape[0], client)))
-                        loss_g = generator_adversarial_loss(fake_logits)
-                    optimizer_g.zero_grad(set_to_none=True)
-                    loss_g.backward(inputs=generator_params)
+                    # The classifier's and discriminator's BatchNorm statistics stay too: updated by fake
+                    # batches here they would travel with w_k into the global model (card §7).
+                    # (Put back after the backward, which checks that the saved statistics are unchanged.)
+                    with running_statistics_kept(model, discriminator):
+                        with autocast_context(client.precision, client.device):
+                            fake_logits = discriminator.logits(model, generator(self._noise(x.shape[0], client)))
+                            loss_g = generator_adversarial_loss(fake_logits)
+                        optimizer_g.zero_grad(set_to_none=True)
+                        loss_g.backward(inputs=generator_params)
                     optimizer_g.step()
         client.state[DISCRIMINATOR_KEY] = discriminator.state_vector()
         reply: dict[str, Any] = {

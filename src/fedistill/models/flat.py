@@ -8,6 +8,9 @@ BatchNorm running statistics, in ``state_dict`` order). Integer buffers (BatchNo
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+from typing import Iterator
+
 import torch
 from torch import nn
 
@@ -87,3 +90,19 @@ def add_to_gradients(params: list[torch.Tensor], vector: torch.Tensor, sign: flo
                 p.grad.add_(piece, alpha=sign)
 
     return shift
+
+
+@contextmanager
+def running_statistics_kept(*models: nn.Module) -> Iterator[None]:
+    """Run forwards in train mode (normalised with the batch's statistics, as the gradient should see them)
+    without changing any buffer of ``models``: BatchNorm's running mean, variance and batch counter are put
+    back on exit. For a step that must move one module only while its loss runs through others (DaFKD's
+    generator step, card §7: "changes only θ_k^g")."""
+    buffers = [b for m in models for b in m.buffers()]
+    saved = [b.detach().clone() for b in buffers]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for b, value in zip(buffers, saved):
+                b.copy_(value)
