@@ -316,9 +316,12 @@ FAST = {f"algorithm.{k}": v for k, v in FAST_FTG.items()}
 
 
 def test_zero_iterations_is_the_base_method_bit_for_bit_and_leaves_the_generator(digits):
+    """FedFTG only refines after the aggregation; it brings its card's uniform mean over S_t along (ambiguity 11),
+    so the base method with that mean is what it must equal."""
     off = {"fedftg": {"iterations": 0}}
     for base in ("fedavg", "scaffold"):
-        assert_same_rounds(small_config(algorithm=base), small_config(algorithm=base, **{"algorithm.plus": off}), digits)
+        uniform = {"algorithm.weighting": "uniform"}
+        assert_same_rounds(small_config(algorithm=base, **uniform), small_config(algorithm=base, **{"algorithm.plus": off}), digits)
     sim = Simulation(small_config(algorithm="fedftg", **{"algorithm.iterations": 0}), digits)
     initial = sim.server.state[GENERATOR_KEY].clone()
     row = sim.run_round(1)
@@ -415,3 +418,21 @@ def test_cli_runs_fedftg_alone_and_as_an_ingredient(tmp_path):
                         ("plus", ["--set", "algorithm.plus=fedftg"])):  # fmt: skip
         assert main(["run", *fast, "--out", str(tmp_path), "--name", name, "--set", "run.workers=1", *extra]) == 0
         assert "fedftg_refine_seconds" in (tmp_path / name / "metrics.jsonl").read_text()
+
+
+def test_aggregation_is_the_plain_mean_over_the_round_clients_unless_set(digits):
+    """Card ambiguity 11: ω ← mean_{k∈S_t} ω_k by default (not |D_k|-weighted), standalone and added to a method;
+    ``weighting: samples`` is the code's FedAvg path. The mean is written out here from the replies."""
+    from fedistill.algorithms.build import make_algorithm
+
+    assert make_algorithm(small_config(algorithm="fedftg")).params.weighting == "uniform"
+    assert make_algorithm(small_config(algorithm="fedavg", **{"algorithm.plus": {"fedftg": {}}})).params.weighting == "uniform"
+    explicit = small_config(algorithm="fedftg", **{"algorithm.weighting": "samples"})
+    assert make_algorithm(explicit).params.weighting == "samples"
+    sim = Simulation(small_config(algorithm="fedftg", **{"algorithm.iterations": 0}), digits)
+    info = sim.round_info(1)
+    replies = {c: sim.client_runtime.update(c, info, sim.server_runtime.broadcast(info, c), {}) for c in sim.server_runtime.select_clients(1)}
+    assert len({int(r["num_samples"]) for r in replies.values()}) > 1  # unequal sizes, so the weighting shows
+    expected = torch.stack([r["weights"].double() for r in replies.values()]).mean(0)
+    sim.algorithm.aggregate(sim.server, info, replies)
+    assert torch.allclose(get_flat(sim.server.model).double(), expected, atol=1e-6)
