@@ -356,3 +356,62 @@ def test_reproduce_shows_a_nan_test_loss_as_a_failed_cell(tmp_path, monkeypatch)
     )
     rows = reproduce(preset, tmp_path / "out", rounds=3)
     assert rows[0]["failed"] is not None
+
+
+def _children(pid: int) -> set[int]:
+    """Process ids whose parent is ``pid`` (Linux /proc)."""
+    found = set()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                found.add(int(entry.name))
+    return found
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads process parents from /proc")
+def test_sigterm_stops_the_workers_notes_the_round_and_the_run_resumes(tmp_path):
+    """A scheduler's SIGTERM takes the Ctrl-C path: exit 143 with the resume command, a note in run.log, and
+    the worker processes end with the run (the default action left them running, 340 MB each)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    run = tmp_path / "t"
+    cmd = [sys.executable, "-m", "fedistill.cli", "run", "--rounds", "30", "--clients", "6", "--clients-per-round", "4",
+           "--epochs", "3", "--no-progress", "--out", str(tmp_path), "--name", "t",
+           "--set", "run.workers=2", "--set", "run.threads=1", "--set", "run.checkpoint_every=1"]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not ((run / "metrics.jsonl").exists() and (run / "metrics.jsonl").read_text().count("\n") >= 1):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.2)
+    workers = _children(proc.pid)
+    assert workers  # the pool (and multiprocessing's resource tracker) are running
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, err
+    assert f"terminated: continue with `fedistill run --resume {run}`" in err and "Traceback" not in err, err
+    assert "interrupted after round" in (run / "run.log").read_text()
+    deadline = time.monotonic() + 15
+    while any(Path(f"/proc/{w}").exists() and "(Z)" not in Path(f"/proc/{w}/stat").read_text() for w in workers):
+        assert time.monotonic() < deadline, "worker processes outlived the run"
+        time.sleep(0.2)
+    assert main(["run", "--resume", str(run), "--rounds", "6", "--no-progress"]) == 0
+    assert (run / "metrics.jsonl").read_text().count("\n") == 6
+
+
+def test_ctrl_c_before_a_run_directory_exists_says_there_is_nothing_to_continue(tmp_path, capsys, monkeypatch):
+    import fedistill.runner as runner
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(runner, "load_dataset_for", interrupted)
+    assert main(["run", *FAST, "--out", str(tmp_path), "--name", "x"]) == 130
+    assert "interrupted: no run had started" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()

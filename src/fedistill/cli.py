@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-from .errors import ConfigError, FedistillError, TrainingDiverged
+from .errors import ConfigError, FedistillError, RunInterrupted, TrainingDiverged
 
 # Flags of ``fedistill run`` that are shortcuts for config keys.
 RUN_FLAGS: list[tuple[str, str, type, str]] = [
@@ -304,12 +304,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM (a scheduler's scancel, timeout or pre-emption), raised where the main thread is."""
+
+
+def _raise_terminated(signum: int, frame: Any) -> None:
+    raise _Terminated()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    import signal
+
     parser = build_parser()
     args = parser.parse_args(argv)
     args.verbose, args.quiet = getattr(args, "verbose", 0), getattr(args, "quiet", 0)
     configure_logging(args.verbose, args.quiet)
     handlers = {"run": cmd_run, "partition": cmd_partition, "compare": cmd_compare, "list": cmd_list, "reproduce": cmd_reproduce}
+    # SIGTERM takes the Ctrl-C path: the round in progress is abandoned, run.log notes it, the worker pool is
+    # shut down (the default action killed this process alone and left the workers running), exit 143.
+    previous = signal.signal(signal.SIGTERM, _raise_terminated) if _in_main_thread() else None
+    terminated = False
     try:
         return handlers[args.command](args)
     except TrainingDiverged as exc:
@@ -318,9 +332,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     except FedistillError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("interrupted: continue with `fedistill run --resume RUN_DIR`", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as exc:
+        terminated = isinstance(exc, _Terminated) or isinstance(exc.__context__, _Terminated) or isinstance(exc.__cause__, _Terminated)
+        what = "terminated" if terminated else "interrupted"
+        hint = exc.hint if isinstance(exc, RunInterrupted) else "no run had started, so there is nothing to continue"
+        if args.command == "reproduce":
+            hint = "run the same fedistill reproduce command again to continue (finished runs are kept, the interrupted one resumes)"
+        print(f"{what}: {hint}", file=sys.stderr)
+        return 143 if terminated else 130
+    except OSError as exc:
+        # A file the command had to write or read failed (a full disk, a vanished directory, no permission).
+        if args.verbose > 1:
+            raise
+        where = f"{exc.filename}: " if getattr(exc, "filename", None) else ""
+        print(f"error: {where}{exc.strerror or exc} (-vv shows where)", file=sys.stderr)
+        return 1
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _in_main_thread() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()
 
 
 if __name__ == "__main__":

@@ -25,3 +25,11 @@ class PartitionError(FedistillError):
 
 class TrainingDiverged(FedistillError):
     """The global model became non-finite; the run stops and keeps its last good checkpoint."""
+
+
+class RunInterrupted(KeyboardInterrupt):
+    """A run stopped by Ctrl-C or SIGTERM; ``hint`` says how to continue it (the run directory to resume)."""
+
+    def __init__(self, hint: str) -> None:
+        super().__init__(hint)
+        self.hint = hint

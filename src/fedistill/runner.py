@@ -12,7 +12,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from .config import Config
-from .errors import ConfigError, TrainingDiverged
+from .errors import ConfigError, RunInterrupted, TrainingDiverged
 from .report.plots import accuracy_label, config_title, plot_accuracy, plot_class_distributions, plot_partition, plot_personal_accuracy
 from .report.rundir import RunDirectory, read_run
 from .report.environment import environment_info
@@ -165,9 +165,9 @@ def run_experiment(
         run_dir.write_csv(sim.state.history)
         run_dir.write_summary({**summarise(sim.state.history, cfg.eval.target_accuracy, cfg.accuracy_metric()), "status": "diverged"})
         raise
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
         run_dir.write_csv(sim.state.history)
-        raise
+        raise RunInterrupted(f"continue with `fedistill run --resume {run_dir.path}`") from exc
     finally:
         if board is not None:
             board.close()

@@ -73,11 +73,29 @@ def _init_worker(config: dict[str, Any], dataset: Any, train_indices: Mapping[in
     from .simulation import ClientRuntime
 
     global _WORKER_RUNTIME
+    _exit_with_parent()
     torch.set_num_threads(threads)
     cfg = build_config(config)
     if cfg.run.tune_allocator:
         keep_freed_memory_in_heap()
     _WORKER_RUNTIME = ClientRuntime(cfg, dataset, train_indices, test_indices)
+
+
+def _exit_with_parent(poll_seconds: float = 1.0) -> None:
+    """End this worker when the process that started it is gone (killed with SIGKILL, or by a signal it did
+    not handle): otherwise the worker lives on, re-parented to init, holding its memory. A daemon thread
+    checks the parent id once a second; on a clean shutdown the pool stops the worker first."""
+    import threading
+    import time
+
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll_seconds)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="fedistill-parent-watch", daemon=True).start()
 
 
 def _run_task(cid: int, info: RoundInfo, msg: dict[str, Any], state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
