@@ -128,6 +128,46 @@ def test_bad_presets_and_selections_are_reported(tiny, tmp_path):
         reproduce(load_preset(str(bad)), tmp_path, rounds=1)
 
 
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        ({"seeds": [0, 0]}, "--seeds: seed 0 is given 2 times"),  # one run counted as two seeds, ± 0.00
+        ({"overrides": ["seed=5"]}, "--set seed: .*use --seeds"),  # every "seed" the same run
+        ({"overrides": ["rounds=1"]}, "--set rounds: .*use --rounds"),  # the table claiming rounds that did not run
+        ({"methods": []}, "--methods: empty"),  # an empty --methods ran every method of the preset
+        ({"columns": ["iid", "iid"]}, "--columns: iid given more than once"),
+    ],
+)
+def test_selections_that_would_misreport_the_table_are_refused_before_any_run(tiny, tmp_path, kwargs, message):
+    with pytest.raises(ConfigError, match=message):
+        reproduce(tiny, tmp_path, rounds=1, **{"methods": ["FedAvg"], "columns": ["iid"], **kwargs})
+    assert not (tmp_path / "tiny").exists()
+
+
+def test_an_empty_methods_flag_is_not_every_method(tmp_path, capsys):
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(TINY, sort_keys=False))
+    assert main(["reproduce", str(path), "--out", str(tmp_path), "--rounds", "1", "--methods", ""]) == 2
+    assert "--methods: empty" in capsys.readouterr().err
+
+
+def test_an_output_that_cannot_be_a_directory_is_one_line(tiny, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(ConfigError, match="reproduce --out .*cannot create"):
+        reproduce(tiny, blocker, rounds=1, methods=["FedAvg"], columns=["iid"])
+
+
+def test_a_moved_data_directory_still_reuses_and_resumes_the_runs(tiny, tmp_path):
+    """Where the dataset files are (and fetching, checking them) does not change a run's numbers."""
+    reproduce(tiny, tmp_path, rounds=1, methods=["FedAvg"], columns=["iid"])
+    metrics = tmp_path / "tiny" / "iid" / "FedAvg" / "seed0" / "metrics.jsonl"
+    before = metrics.read_text()
+    moved = ["dataset.data_dir=" + str(tmp_path / "elsewhere"), "dataset.verify=false"]
+    reproduce(tiny, tmp_path, rounds=2, methods=["FedAvg"], columns=["iid"], overrides=moved)
+    assert metrics.read_text().startswith(before) and metrics.read_text().count("\n") == 2
+
+
 def test_every_shipped_preset_validates_for_every_run():
     from fedistill.reproduce import available_presets
 

@@ -415,3 +415,65 @@ def test_ctrl_c_before_a_run_directory_exists_says_there_is_nothing_to_continue(
     assert main(["run", *FAST, "--out", str(tmp_path), "--name", "x"]) == 130
     assert "interrupted: no run had started" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize(
+    "argv,words",
+    [
+        (["compare", "RUN", "--target", "-5"], ["--target", "above 0"]),
+        (["compare", "RUN", "--target", "nan"], ["--target"]),
+        (["compare", "RUN", "--out", "OUT/missing/c.png"], ["--out", "does not exist"]),
+        (["compare", "RUN", "--out", "OUT"], ["--out", "is a directory"]),
+        (["partition", "--out", "OUT/missing/p.png"], ["--out", "does not exist"]),
+        (["partition", "--max-rows", "-3"], ["--max-rows", "negative"]),
+        (["run", "--set", "algorithm.plus=fedprox,fedprox", "--print-config"], ["fedprox given more than once"]),
+        (["run", *FAST, "--set", "model.server=fd_server_mlp"], ["model.server", "Remove model.server"]),
+        (["run", "--resume", "RUN", "--name", "other"], ["--resume", "drop --name"]),
+    ],
+)
+def test_more_bad_inputs_are_one_line_before_any_work(tmp_path, capsys, argv, words):
+    run = _run(tmp_path, name="base")
+    capsys.readouterr()
+    argv = [a.replace("RUN", str(run)).replace("OUT", str(tmp_path)) for a in argv]
+    assert main(argv) == 2
+    _one_line_error(capsys, *words)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["base"]  # nothing written
+
+
+def test_one_process_with_more_threads_than_cores_is_refused(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    assert main(["run", *FAST, "--out", str(tmp_path), "--name", "x", "--set", "run.threads=8"]) == 2
+    _one_line_error(capsys, "run.threads", "exceed the 2 CPU cores")
+
+
+def test_partition_finds_the_shipped_configs_from_anywhere(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(["partition", "--config", "configs/digits_fedavg.yaml", "--out", "p.png", "--max-rows", "0"]) == 0
+    assert (tmp_path / "p.png").exists()
+
+
+def test_compare_without_an_extension_writes_png_files(tmp_path):
+    run = _run(tmp_path, name="base")
+    assert main(["compare", str(run), "--out", str(tmp_path / "cmp")]) == 0
+    assert (tmp_path / "cmp.png").exists() and (tmp_path / "cmp_class_distributions.png").exists()
+
+
+def test_a_run_resumes_from_a_moved_data_directory(tmp_path):
+    """dataset.data_dir, download and verify say where the files are, not what the run computes."""
+    run = _run(tmp_path, "--rounds", "1")
+    assert main(["run", "--resume", str(run), "--rounds", "2", "--data-dir", str(tmp_path / "moved"), "--no-verify", "--no-progress"]) == 0
+    assert (run / "metrics.jsonl").read_text().count("\n") == 2
+
+
+def test_a_full_disk_while_writing_is_one_line_not_a_traceback(tmp_path, capsys, monkeypatch):
+    import errno
+
+    import fedistill.runner as runner
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "x" / "partition.png"))
+
+    monkeypatch.setattr(runner, "plot_partition", full)
+    assert main(["run", *FAST, "--out", str(tmp_path), "--name", "x"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "No space left on device" in err and "partition.png" in err and "Traceback" not in err

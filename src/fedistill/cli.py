@@ -93,6 +93,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.resume:
         if args.config:
             raise ConfigError("--resume takes its config from the run directory; drop --config")
+        moved = [flag for flag, key in (("--out", "run.out_dir"), ("--name", "run.name")) if key in overrides]
+        if moved:
+            raise ConfigError(
+                f"--resume continues the run in {args.resume}; drop {' and '.join(moved)} (to rename or move a run, move its directory)"
+            )
         run_dir = RunDirectory(Path(args.resume))
         base = run_dir.read_config()
         cfg = build_config(base, overrides, source=str(run_dir.path / "config.yaml"))
@@ -167,7 +172,8 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
         overrides.append(f"dataset.data_dir={args.data_dir}")
     if args.download:
         overrides.append("dataset.download=true")
-    split = lambda text: [t.strip() for t in text.split(",") if t.strip()] if text else None  # noqa: E731
+    # None when the flag is absent; an empty list (refused by reproduce) when it is given empty.
+    split = lambda text: [t.strip() for t in text.split(",") if t.strip()] if text is not None else None  # noqa: E731
     reproduce(
         preset, Path(args.out), rounds=args.rounds, seeds=args.seeds, methods=split(args.methods),
         columns=split(args.columns), overrides=overrides,

@@ -229,7 +229,11 @@ class AlgorithmConfig(BaseModel):
         if isinstance(value, str):
             value = [v for v in value.replace("+", ",").split(",") if v.strip()]
         if isinstance(value, (list, tuple)):
-            return {str(v).strip(): {} for v in value}
+            names = [str(v).strip() for v in value]
+            repeated = sorted({n for n in names if names.count(n) > 1})
+            if repeated:
+                raise ValueError(f"{', '.join(repeated)} given more than once; each method may appear once")
+            return {n: {} for n in names}
         if isinstance(value, dict):
             return {k: ({} if v is None else v) for k, v in value.items()}
         return value

@@ -189,6 +189,12 @@ def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _override_keys(overrides: list[str] | dict[str, Any]) -> list[str]:
+    if isinstance(overrides, dict):
+        return [str(k).strip() for k in overrides]
+    return [str(o).split("=", 1)[0].strip() for o in overrides]
+
+
 def run_config(preset: Preset, column: str, method: str, seed: int, rounds: int, overrides: list[str] | dict[str, Any]):
     """The validated Config of one (column, method, seed) run."""
     spec = preset.methods[method]
@@ -231,7 +237,9 @@ def _stripped(config: dict[str, Any]) -> dict[str, Any]:
     version added filled in), so a run saved before a setting existed compares equal to the same run now."""
     from .config import resolved_config
 
-    return {k: v for k, v in resolved_config(config).items() if k not in ("rounds", "run")}
+    from .engine.checkpoint import comparable_setting
+
+    return {k: comparable_setting(k, v) for k, v in resolved_config(config).items() if k not in ("rounds", "run")}
 
 
 def ensure_run(cfg, run_path: Path, console) -> tuple[list[dict[str, Any]], bool]:
@@ -296,8 +304,22 @@ def reproduce(
     from .runner import make_console
 
     console = console or make_console()
+    from .report.groups import check_seeds
+
     rounds = rounds or preset.paper_rounds
-    seeds = seeds or [0]
+    seeds = check_seeds(seeds) if seeds is not None else [0]
+    # The seed and the rounds of every run come from --seeds and --rounds; a --set of either would make every
+    # "seed" the same run, or the table claim rounds that did not run.
+    for key in _override_keys(overrides or []):
+        if key in ("seed", "rounds"):
+            flag = "--seeds" if key == "seed" else "--rounds"
+            raise ConfigError(f"reproduce --set {key}: reproduce sets each run's {key} itself; use {flag}")
+    for name, chosen in (("--methods", methods), ("--columns", columns)):
+        if chosen is not None and not chosen:
+            raise ConfigError(f"reproduce {name}: empty; name at least one, or leave {name} out for all of them")
+        repeated = sorted({c for c in chosen or [] if chosen.count(c) > 1})
+        if repeated:
+            raise ConfigError(f"reproduce {name}: {', '.join(repeated)} given more than once")
     methods = methods or list(preset.methods)
     columns = columns or list(preset.columns)
     for name, known in (("--methods", preset.methods), ("--columns", preset.columns)):
@@ -312,6 +334,10 @@ def reproduce(
         (c, m, s): run_config(preset, c, m, s, rounds, overrides or []) for c in columns for m in methods for s in seeds
     }
     root = Path(out_dir) / preset.name
+    try:  # before the first run: a --out that is a file or cannot be created stops here, in one line
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"reproduce --out {out_dir}: cannot create {root} ({exc.strerror or exc}); choose another --out") from None
     results: dict[tuple[str, str, int], RunResult] = {}
     for (column, method, seed), cfg in configs.items():
         run_path = root / column / method.replace("/", "_").replace(" ", "_") / f"seed{seed}"

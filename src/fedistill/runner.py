@@ -395,10 +395,16 @@ def compare_runs(paths: list[str], out: Path | None = None, target: float | None
     directories without one of its own). A group is one row, its final and best accuracy as mean ± sample
     std over its seeds, and one curve, the per-round mean over the rounds every seed has, with a ±1 std band;
     its class-distribution heatmaps are its first seed's. A seed whose run diverged is left out of both."""
+    import math
+
     from .engine.simulation import summarise
     from .report.groups import group_members, group_summary, mean_curve
+    from .report.plots import check_figure_path
 
     console = console or make_console()
+    out = check_figure_path("--out", out or Path("compare.png"))
+    if target is not None and not (math.isfinite(target) and 0 < target <= 100):
+        raise ConfigError(f"--target: {target} is not an accuracy in percent; give a number above 0 and at most 100")
     summaries: dict[str, dict[str, Any]] = {}
     cells: dict[str, list[str]] = {}  # rows of the table with groups
     curves: dict[str, list[tuple[int, float]]] = {}
@@ -452,11 +458,10 @@ def compare_runs(paths: list[str], out: Path | None = None, target: float | None
         print_rows(console, "summary", COMPARE_COLUMNS, cells)
     else:
         print_summary(console, summaries)
-    out = out or Path("compare.png")
     ylabel = accuracy_label("personal_accuracy" if metrics == {"personal"} else "test_accuracy")
     plot_accuracy(curves, out, target, ylabel=ylabel, bands=bands or None)
     console.print(f"curves: {out}")
-    distributions = out.with_name(f"{out.stem}_class_distributions{out.suffix or '.png'}")
+    distributions = out.with_name(f"{out.stem}_class_distributions{out.suffix}")
     if plot_class_distributions(histories, distributions):
         console.print(f"class distributions per round (training labels, test predictions): {distributions}")
 
@@ -479,7 +484,13 @@ def show_partition(args: argparse.Namespace, console: Console | None = None) -> 
     for item in args.overrides:
         k, v = parse_override(item)
         overrides[k] = v
-    base = read_yaml(args.config) if args.config else {}
+    from .report.plots import check_figure_path
+    from .reproduce import find_config
+
+    if args.max_rows < 0:
+        raise ConfigError(f"--max-rows: {args.max_rows} is negative; give the number of clients to print (0 for none)")
+    out = check_figure_path("--out", args.out)
+    base = read_yaml(find_config(args.config)) if args.config else {}
     base.pop("clients_per_round", None)  # irrelevant here; must not fail the clients-per-round check
     cfg = build_config(base, {**overrides, "clients_per_round": 1})
     dataset = load_dataset_for(cfg)
@@ -501,6 +512,5 @@ def show_partition(args: argparse.Namespace, console: Console | None = None) -> 
     for key, value in stats.items():
         st.add_row(key, f"{value:.4g}" if isinstance(value, float) else str(value))
     console.print(st)
-    out = Path(args.out)
     plot_partition(counts, out, config_title(cfg), percent=getattr(args, "percent", False))  # the same title as the run directory's
     console.print(f"heatmap: {out}")

@@ -43,6 +43,11 @@ def check_architectures(cfg: Any, algorithm: Any, num_clients: int) -> list[str]
             f"architecture; this config gives {sorted(set(names))}. Use one model (model.name), or a "
             "federated-distillation method (fedgkt, feddkc, fedict)"
         )
+    if exchange == "weights" and cfg.model.server is not None:
+        raise ConfigError(
+            f"model.server: {cfg.algorithm.display_name()} trains one model, model.name, on the clients and the server; "
+            "only the federated-distillation methods (fedgkt, feddkc, fedict) train a server predictor. Remove model.server"
+        )
     if exchange == "knowledge":
         if cfg.model.server is None:
             raise ConfigError(

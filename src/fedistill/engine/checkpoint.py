@@ -27,6 +27,17 @@ CHECKPOINT_NAME = "checkpoint.pt"
 
 # Keys that may differ between the checkpointed run and its continuation.
 RESUMABLE_DIFFERENCES = {"rounds", "run"}
+# Where the dataset files are, and whether they are fetched or md5-checked: not what the run computes (a
+# moved data directory or a run directory from another machine must resume; different data is caught by the
+# partition check and the files' checksums).
+DATASET_FILE_SETTINGS = ("data_dir", "download", "verify")
+
+
+def comparable_setting(key: str, value: Any) -> Any:
+    """A top-level config entry as resume compares it: the dataset section without its file locations."""
+    if key == "dataset" and isinstance(value, dict):
+        return {k: v for k, v in value.items() if k not in DATASET_FILE_SETTINGS}
+    return value
 
 
 def save_checkpoint(path: Path, payload: dict[str, Any]) -> None:
@@ -94,7 +105,7 @@ def check_compatible(
     for key in sorted(set(saved) | set(current)):
         if key in RESUMABLE_DIFFERENCES:
             continue
-        if saved.get(key) != current.get(key):
+        if comparable_setting(key, saved.get(key)) != comparable_setting(key, current.get(key)):
             raise ConfigError(
                 f"resume: {key} differs from the checkpointed run ({saved.get(key)!r} vs {current.get(key)!r}); "
                 "only rounds and run settings that do not change results may change when resuming"

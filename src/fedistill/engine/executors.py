@@ -162,9 +162,15 @@ def client_threads(cfg: Any) -> int:
 def check_workers(cfg: Any) -> None:
     """Refuse worker settings this machine cannot honour; called before any work (and by make_executor)."""
     workers = cfg.run.workers
-    if workers == 1:
-        return
     cores = os.cpu_count() or 1
+    if workers == 1:
+        # The same rule for one process (README: workers x threads may not exceed the cores).
+        if cfg.run.threads is not None and cfg.run.threads > cores:
+            raise ConfigError(
+                f"run.threads: {cfg.run.threads} threads exceed the {cores} CPU cores; oversubscribing makes rounds "
+                f"slower. Use run.threads={cores} or fewer (or leave it unset)"
+            )
+        return
     if cfg.run.device != "cpu":
         raise ConfigError(f"run.workers: parallel client workers run on the CPU only (run.device is {cfg.run.device!r}); use run.workers=1")
     threads = client_threads(cfg)

@@ -86,6 +86,30 @@ def figure_format(path: Path | str) -> str:
     return fmt
 
 
+def check_figure_path(flag: str, path: Path | str) -> Path:
+    """Refuse, before any work, a figure file that cannot be written: a directory, a missing or unwritable
+    parent directory, an extension matplotlib cannot write. Returns the path with ``.png`` added when it has no
+    extension (so the curves and their companion heatmaps get the same one)."""
+    import os
+
+    from ..errors import ConfigError
+
+    path = Path(path)
+    if path.is_dir():
+        raise ConfigError(f"{flag} {path}: is a directory; give a file name such as {path / 'figure.png'}")
+    if not path.suffix:
+        path = path.with_name(path.name + ".png")
+    figure_format(path)
+    parent = path.parent if str(path.parent) else Path(".")
+    if path.is_dir():
+        raise ConfigError(f"{flag} {path}: is a directory; give a file name such as {path / 'figure.png'}")
+    if not parent.is_dir():
+        raise ConfigError(f"{flag} {path}: directory {parent} does not exist; create it or choose another path")
+    if not os.access(parent, os.W_OK):
+        raise ConfigError(f"{flag} {path}: directory {parent} is not writable; choose another path")
+    return path
+
+
 def save_figure(fig: "Figure", path: Path | str) -> None:
     """Write ``fig`` in the format of ``path``'s extension. PDF and PS embed TrueType (Type 42) fonts, as
     publishers ask, rather than Type 3."""
