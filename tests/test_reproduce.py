@@ -168,6 +168,15 @@ def test_a_moved_data_directory_still_reuses_and_resumes_the_runs(tiny, tmp_path
     assert metrics.read_text().startswith(before) and metrics.read_text().count("\n") == 2
 
 
+def test_unreadable_preset_files_are_one_line(tmp_path, capsys):
+    (tmp_path / "bad.yaml").write_text("a: [\n")
+    (tmp_path / "bin.yaml").write_bytes(bytes(range(256)))
+    for name, words in (("bad.yaml", "not valid YAML at line 2"), ("bin.yaml", "binary data")):
+        assert main(["reproduce", str(tmp_path / name)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert words in err and "\n" not in err and "Traceback" not in err, err
+
+
 def test_every_shipped_preset_validates_for_every_run():
     from fedistill.reproduce import available_presets
 

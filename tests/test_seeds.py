@@ -156,7 +156,7 @@ def test_a_diverged_seed_is_recorded_the_others_run_and_the_exit_code_is_1(tmp_p
 
 def test_compare_takes_a_group_beside_a_run(group, tmp_path, capsys):
     png = tmp_path / "cmp.png"
-    assert main(["compare", str(group), str(group / "seed1"), "--out", str(png), "--target", "101"]) == 0
+    assert main(["compare", str(group), str(group / "seed1"), "--out", str(png), "--target", "100"]) == 0
     text = capsys.readouterr().out
     g = json.loads((group / "group.json").read_text())
     assert format_stat(g["final_accuracy"]) in text and " ± " in text
@@ -191,3 +191,19 @@ def test_the_group_table_fits_80_columns(group):
     runner.print_group_summary(Console(file=buffer, width=80), g, "group summary: grp")
     lines = buffer.getvalue().splitlines()
     assert all(len(line) <= 80 for line in lines) and any(format_stat(g["final_accuracy"]) in line for line in lines)
+
+
+def test_resuming_a_seed_of_a_group_rewrites_the_group_summary(group, tmp_path):
+    """What an interrupted group says to do (`run --resume GROUP/seedN`) completes its group.json: it was left
+    with the seeds that had finished before the interruption."""
+    copy = tmp_path / "grp"
+    shutil.copytree(group, copy)
+    stale = json.loads((copy / "group.json").read_text())
+    stale.update({"seeds": [0], "complete": False})
+    (copy / "group.json").write_text(json.dumps(stale))
+    assert main(["run", "--resume", str(copy / "seed1"), "--rounds", "3", "--no-progress"]) == 0
+    g = json.loads((copy / "group.json").read_text())
+    assert g["seeds"] == [0, 1] and g["complete"] and g["planned_seeds"] == [0, 1]
+    finals = [_summary(copy / f"seed{s}")["final_accuracy"] for s in (0, 1)]
+    assert g["final_accuracy"]["mean"] == pytest.approx(sum(finals) / 2)
+    assert "seed1" in (copy / "group.md").read_text()

@@ -83,7 +83,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from .config import build_config, read_yaml
     from .report.rundir import RunDirectory
     from .reproduce import find_config
-    from .runner import run_experiment
+    from .runner import make_console, refresh_seed_group, run_experiment
 
     overrides = dict(_overrides_from_args(args))
     if args.allow_numeric_change and not args.resume:
@@ -106,7 +106,16 @@ def cmd_run(args: argparse.Namespace) -> int:
 
             print(yaml.safe_dump(cfg.resolved_dict(), sort_keys=False), end="")
             return 0
-        run_experiment(cfg, run_dir=run_dir, resume=True, allow_numeric_change=args.allow_numeric_change, quiet=args.quiet > 0)
+        group = run_dir.path.parent
+        in_group = (group / "group.json").is_file()
+        try:
+            run_experiment(cfg, run_dir=run_dir, resume=True, allow_numeric_change=args.allow_numeric_change, quiet=args.quiet > 0)
+        except TrainingDiverged:
+            if in_group:
+                refresh_seed_group(group, cfg, make_console())
+            raise
+        if in_group:  # a seed of a `run --seeds` group: its group summary now counts this run
+            refresh_seed_group(group, cfg, make_console())
     else:
         base = read_yaml(find_config(args.config)) if args.config else {}
         cfg = build_config(base, overrides)

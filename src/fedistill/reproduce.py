@@ -161,10 +161,11 @@ def load_preset(name_or_path: str) -> Preset:
                 f"reproduce: no preset {name_or_path!r}; choose one of: {', '.join(available_presets()) or 'none found'} "
                 f"(or give a path to a preset YAML file)"
             )
-    try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"reproduce: preset {path} is not valid YAML ({exc})") from None
+    from .config import parse_yaml_text
+    from .report.rundir import _read_text
+
+    # One line for a binary file or a YAML error (with its line and column), as for --config.
+    data = parse_yaml_text(path, _read_text(path), what=f"reproduce: preset {path}")
     try:
         preset = Preset.model_validate(data)
     except ValidationError as err:

@@ -356,6 +356,33 @@ def run_seed_group(
     return group
 
 
+def refresh_seed_group(path: Path, cfg: Any, console: Console | None = None) -> dict[str, Any]:
+    """Rewrite a seed group's ``group.json``/``group.md`` from its members' saved summaries: after one of its
+    seeds was continued with ``run --resume GROUP/seedN`` (what an interrupted group says to do), so that the
+    group summary counts it. Seeds without a finished (or diverged) run stay out, and ``complete`` says so."""
+    from .report.groups import group_summary, read_group, seed_dir_name, write_group
+
+    previous = read_group(path)
+    planned = [s for s in (previous.get("planned_seeds") or previous.get("seeds") or []) if isinstance(s, int)]
+    summaries: dict[int, dict[str, Any]] = {}
+    for seed in planned:
+        run_path = path / seed_dir_name(seed)
+        _, _, saved = read_run(run_path, require_metrics=False) if run_path.is_dir() else ({}, [], {})
+        if saved.get("status") in ("finished", "diverged"):
+            summaries[seed] = {**saved, "run_dir": str(run_path)}
+    group = {"name": path.name, "planned_seeds": planned, "complete": len(summaries) == len(planned), **group_summary(summaries)}
+    title = f"group summary: {path.name} ({cfg.algorithm.display_name()} on {cfg.dataset.name}, seeds {' '.join(map(str, planned))})"
+    write_group(path, group, title)
+    if console is not None:
+        missing = [s for s in planned if s not in summaries]
+        console.print(
+            f"group summary: {path / 'group.json'} updated ({len(summaries)}/{len(planned)} seeds"
+            + (f"; seeds {' '.join(map(str, missing))} have no finished run" if missing else "") + ")",
+            highlight=False, markup=False,
+        )  # fmt: skip
+    return group
+
+
 def describe_models(cfg: Any) -> str:
     """The model(s) a run trains, for its first log line: one name, or the client and server architectures."""
     names = cfg.model.client_model_names()
