@@ -71,30 +71,32 @@ def test_hand_made_tree_with_two_levels():
 
 
 def test_hand_made_tree_with_three_levels():
-    # Root at level 4; {0..4} at level 3; {0,1} and {2,3,4} at level 2. Their dendrogram children are at
-    # level 1: a single client there forms a level-1 group of one ({0}, {1}, {4}); {2,3} is a level-1 group.
+    # Root at level 4; {0..4} at level 3; {0,1} and {2,3,4} at level 2. A single client among their dendrogram
+    # children is attached to the level-2 node directly (card: "a client met above level 1 is attached
+    # directly"; the reference code's create_nodes): 0 and 1 under {0,1}, 4 under {2,3,4}; {2,3} is a level-1 group.
     tree = build_tree(average_linkage_dendrogram(POINTS), 6, levels=3)
-    assert tree == Node(
-        0,
-        4,
-        6,
-        [
-            5,
-            Node(
-                1,
-                3,
-                5,
-                [
-                    Node(2, 2, 2, [Node(3, 1, 1, [0]), Node(4, 1, 1, [1])]),
-                    Node(5, 2, 3, [Node(6, 1, 1, [4]), Node(7, 1, 2, [2, 3])]),
-                ],
-            ),
-        ],
-    )
+    assert tree == Node(0, 4, 6, [5, Node(1, 3, 5, [Node(2, 2, 2, [0, 1]), Node(3, 2, 3, [4, Node(4, 1, 2, [2, 3])])])])
     nodes, clients = tree_tensors(tree, [10, 11, 12, 13, 14, 15])
     # (parent id, level, clients below) per node id, and (client id, node it is attached to).
-    assert nodes.tolist() == [[-1, 4, 6], [0, 3, 5], [1, 2, 2], [2, 1, 1], [2, 1, 1], [1, 2, 3], [5, 1, 1], [5, 1, 2]]
-    assert clients.tolist() == [[10, 3], [11, 4], [12, 7], [13, 7], [14, 6], [15, 0]]
+    assert nodes.tolist() == [[-1, 4, 6], [0, 3, 5], [1, 2, 2], [1, 2, 3], [3, 1, 2]]
+    assert clients.tolist() == [[10, 2], [11, 2], [12, 4], [13, 4], [14, 3], [15, 0]]
+
+
+def test_a_client_under_a_level_two_node_is_mixed_once_with_that_group():
+    """Card §5 step 3 on the tree above, written out: client 4 hangs from the level-2 group {2,3,4}, so its
+    model is (1−α)·w_4 + α·g_{2,3,4} once (wrapped in a group of one it was mixed twice: (1−α²)·w_4 + α²·g)."""
+    tree = build_tree(average_linkage_dendrogram(POINTS), 6, levels=3)
+    vectors = torch.tensor([[1.0], [2.0], [4.0], [8.0], [16.0], [32.0]])
+    alpha = 0.7
+    root = vectors.double().mean(0)
+    g5 = vectors[:5].double().mean(0)  # level 3
+    g234 = vectors[2:5].double().mean(0)  # level 2
+    g5 = (1 - alpha) * g5 + alpha * root
+    g234 = (1 - alpha) * g234 + alpha * g5
+    expected = (1 - alpha) * 16.0 + alpha * g234
+    top_down = mix_top_down(tree, group_models(tree, vectors), alpha)
+    assert top_down.parent[4] == 3  # the level-2 node {2,3,4}
+    assert torch.allclose(mix(vectors[4], top_down.parent_model(4), alpha).double(), expected, atol=1e-6)
 
 
 def test_hand_made_group_models_and_top_down_mixing():
@@ -171,9 +173,9 @@ def test_tree_holds_every_client_once_and_groups_are_count_weighted_means(levels
                 if isinstance(child, Node):
                     assert child.level == node.level - 1
                 else:
-                    # A client hangs from a level-1 group, from a node at level ≥ 3 (it was met at level ≥ 2),
-                    # or from the root of a one-client tree; never from a level-2 node.
-                    assert node.level == 1 or node.level >= 3 or n == 1
+                    # A client hangs from any node that met it: a level-1 group owning it, or a node at level
+                    # ≥ 2 whose dendrogram child it is (never wrapped in a level-1 group of one).
+                    assert node.level == 1 or not any(isinstance(c, Node) and c.level == 1 and c.size == 1 for c in node.children)
             if node.level == 1:
                 assert all(isinstance(c, int) for c in node.children)
             # Card invariant: a group model is the client-count-weighted (i.e. plain per-client) mean.

@@ -22,10 +22,11 @@ Our resolutions where the card leaves room (each also noted where it is implemen
   ``0..n−1`` in client-id order, the m-th merge creates cluster ``n + m``). scipy's ``linkage(…, "average")``
   gives the same merges on our tie tests.
 * Tree: the root (level L+1) is the last merge. Expanding a node at level ℓ ≥ 2, each of its two dendrogram
-  children becomes a node at level ℓ−1, except a single client met while ℓ−1 ≥ 2, which is attached to the
-  level-ℓ node directly. A level-1 node owns every client below it as direct children; a single client
-  reached at level 1 therefore forms a level-1 group of one (the card's "a client met above level 1 is
-  attached directly" read strictly: at level 1 it is not above level 1).
+  children becomes a node at level ℓ−1, except a single client, which is attached to the level-ℓ node
+  directly, whatever ℓ ≥ 2 is (the card's "a client met above level 1 is attached directly", as the reference
+  code's ``create_nodes`` does it; an earlier reading wrapped a client under a level-2 node in a level-1
+  group of one, so its model was mixed twice, (1−α²)·w_k + α²·g, and it kept 51 % instead of 30 % of its
+  own weights at α = 0.7). A level-1 node owns every client below it as direct children.
 * Clustering uses the trainable-parameter entries of the flat vectors only; group models average the full
   vectors, so BatchNorm running statistics of a group are averaged (and mixed) exactly like its parameters.
 * A client's first round (no stored w_k) is plain SGD (μ = 0) from the server's current model: in round 1
@@ -204,8 +205,8 @@ def build_tree(merges: Sequence[Merge], n: int, levels: int) -> Node:
             node.children = members(cluster)  # a level-1 group owns its clients (or the root of one client)
             return node
         for child in children[cluster]:
-            if child < n and level - 1 > 1:
-                node.children.append(child)  # a client met above level 1: attached directly
+            if child < n:
+                node.children.append(child)  # a client met above level 1: attached directly (card §5)
             else:
                 node.children.append(group(child, level - 1))
         return node
