@@ -366,3 +366,24 @@ def test_table8_ablation_replaces_every_distribution_vector_by_a_random_softmax(
 def test_clients_evaluate_their_own_models_only_in_evaluation_rounds(digits):
     _, history = run(fd_config("fedgkt", rounds=3, clients=["fd_resnet2"], eval__every=2), digits)
     assert [r.get("personal_accuracy") is not None for r in history] == [False, True, True]  # round 2, and the last
+
+
+@pytest.mark.parametrize("algorithm", ["fedgkt", "fedict"])
+def test_personal_accuracy_is_each_clients_own_model_on_its_own_test_split(digits, algorithm):
+    """Recomputed outside the engine: a fresh module of client k's architecture loaded with the model k keeps
+    in its state, on k's test indices, top-1 counted here (a wrong architecture, a stale model or the global
+    test set would differ)."""
+    from fedistill.models import build_model
+
+    sim, history = run(fd_config(algorithm, rounds=2, run__checkpoint_every=0), digits)
+    expected = []
+    for cid, name in enumerate(HETERO):
+        model = build_model(name, (1, 8, 8), 10).eval()
+        set_flat(model, sim.server_runtime.client_store.load(cid)["model"])
+        ix = sim.federation.test_indices[cid]
+        x = (digits.test_x[ix].float() / 255.0 - torch.tensor(digits.mean).view(1, -1, 1, 1)) / torch.tensor(digits.std).view(1, -1, 1, 1)
+        with torch.no_grad():
+            correct = int((model(x).argmax(1) == digits.test_y[ix]).sum())
+        expected.append(100.0 * correct / len(ix))
+    assert history[-1]["personal_accuracies"] == pytest.approx(expected, abs=1e-9)
+    assert len(set(expected)) > 1  # the clients' own models differ

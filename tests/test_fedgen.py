@@ -224,3 +224,41 @@ def test_label_counts_are_the_processed_labels_or_the_histogram(digits):
             labels = digits.train_y[sim.federation.train_indices[cid]]
             histogram = torch.bincount(labels, minlength=10)
             assert torch.equal(reply["label_counts"], histogram * (epochs if mode == "processed" else 1))
+
+
+@pytest.mark.parametrize("term", ["teacher", "diversity"])
+def test_one_generator_step_lowers_the_term_it_weights(digits, term):
+    """J = α_ens·Σ ω CE(h_k(G(ε, y)), y) + η_ens·L_div is minimised (card §3): one small Adam step with one term
+    switched on lowers that term on the same (ε, y), recomputed here from the uploaded heads (a flipped sign
+    raises it)."""
+    from fedistill.algorithms.fedgen import draw_noise, head_slices
+    from fedistill.engine.seeding import FEDGEN as TAG
+    from fedistill.engine.seeding import make_generator
+
+    coefficients = {"algorithm.alpha_ens": 1.0, "algorithm.eta_ens": 0.0} if term == "teacher" else {"algorithm.alpha_ens": 0.0, "algorithm.eta_ens": 1.0}
+    sim = Simulation(small_config(**FEDGEN, **coefficients, **{"algorithm.generator_steps": 1, "algorithm.generator_lr": 1e-3}), digits)
+    info, replies = _round(sim, 1)
+    ordered = [replies[c] for c in sorted(replies)]
+    p = sim.algorithm.params
+    counts = 1.0 + torch.stack([r["label_counts"].double() for r in ordered])
+    labels_q = torch.nonzero(qualified_labels(counts)).flatten()
+    rng = make_generator(sim.server.seed, TAG, info.round)
+    y = labels_q[torch.randint(labels_q.numel(), (p.generator_batch_size,), generator=rng)]
+    eps = draw_noise(p.generator_batch_size, p.noise_dim, p.noise, rng)
+    w_slice, b_slice = head_slices(sim.server.model)
+    heads = [(r["weights"][w_slice].view(10, -1), r["weights"][b_slice]) for r in ordered]
+    weights = class_ensemble_weights(counts)
+
+    def value():
+        generator = sim.algorithm._generator.load(sim.server).train()
+        with torch.no_grad():
+            features = generator(eps, y)
+            if term == "diversity":
+                return float(diversity_loss(features, eps))
+            logits = torch.stack([features @ w.T + b for w, b in heads])
+            return float(fedgen_teacher_loss(logits, y, weights))
+
+    before = value()
+    sim.algorithm.refine(sim.server, info, ordered, sorted(replies))
+    after = value()
+    assert after < before, (term, before, after)

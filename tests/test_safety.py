@@ -426,7 +426,6 @@ def test_ctrl_c_before_a_run_directory_exists_says_there_is_nothing_to_continue(
         (["partition", "--out", "OUT/missing/p.png"], ["--out", "does not exist"]),
         (["partition", "--max-rows", "-3"], ["--max-rows", "negative"]),
         (["run", "--set", "algorithm.plus=fedprox,fedprox", "--print-config"], ["fedprox given more than once"]),
-        (["run", *FAST, "--set", "model.server=fd_server_mlp"], ["model.server", "Remove model.server"]),
         (["run", "--resume", "RUN", "--name", "other"], ["--resume", "drop --name"]),
     ],
 )
@@ -476,3 +475,10 @@ def test_a_full_disk_while_writing_is_one_line_not_a_traceback(tmp_path, capsys,
     assert main(["run", *FAST, "--out", str(tmp_path), "--name", "x"]) == 1
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and "No space left on device" in err and "partition.png" in err and "Traceback" not in err
+
+
+def test_a_server_model_a_weight_averaging_method_does_not_train_is_said_not_claimed(tmp_path, capsys):
+    """FedAvg with model.server: a warning that it is unused, and the run's header names only the model it trains."""
+    run = _run(tmp_path, "--set", "model.server=fd_server_mlp")
+    assert "model.server (fd_server_mlp) is not used" in capsys.readouterr().err
+    assert "fd_server_mlp" not in (run / "run.log").read_text()

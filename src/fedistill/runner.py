@@ -385,11 +385,15 @@ def refresh_seed_group(path: Path, cfg: Any, console: Console | None = None) -> 
 
 def describe_models(cfg: Any) -> str:
     """The model(s) a run trains, for its first log line: one name, or the client and server architectures."""
+    from .registry import ALGORITHMS
+
     names = cfg.model.client_model_names()
     clients = ", ".join(names) if names else cfg.model_name()
-    if cfg.model.server is None and not names:
+    # Only the federated-distillation methods train model.server (others ignore it, with a warning).
+    server = cfg.model.server if getattr(ALGORITHMS.get(cfg.algorithm.name), "exchange", "weights") == "knowledge" else None
+    if server is None and not names:
         return clients
-    return f"clients: {clients}" + (f"; server: {cfg.model.server}" if cfg.model.server else "")
+    return f"clients: {clients}" + (f"; server: {server}" if server else "")
 
 
 def saved_accuracy_metric(config: dict[str, Any]) -> str:

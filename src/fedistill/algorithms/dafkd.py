@@ -400,8 +400,9 @@ def privacy_teacher(
 ) -> torch.Tensor:
     """Appendix B's teacher from the clients' secure sums: ``mix = Σ_k f_k v_k / Σ_k f_k`` (= Σ_k α̂_k v_k).
 
-    ``v = softmax(z/T)`` (probs: ``q = mix``) or ``v = z`` (logits: ``q = softmax(mix/T)``). Samples whose
-    scores all underflow (Σ_k f_k = 0 in float64, ℓ below about −745 everywhere) get the uniform mixture.
+    ``v = softmax(z/T)`` (probs: ``q = mix``) or ``v = z`` (logits: ``q = softmax(mix/T)``). A sample whose
+    scores all underflow (Σ_k f_k = 0 in float64, ℓ below about −745 everywhere) has no mixture from the secure
+    sums alone: that raises ``ValueError`` rather than inventing one.
     """
     numerator = torch.stack(weighted_predictions).sum(dim=0)
     denominator = torch.stack(scores).sum(dim=0).unsqueeze(1)
