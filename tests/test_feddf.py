@@ -254,7 +254,8 @@ def test_one_student_step_follows_the_gradient_of_kl_teacher_to_student(digits):
     generator = sim.algorithm._generator.load(sim.server).eval()
     with torch.no_grad():
         x = generator(z, y)
-        target = _softmax_rows(sum(t(x) for t in _teachers(replies)) / len(replies))  # AVGLOGITS, T = 1
+        # Generator mode's target (card §3, FedFTG's data-free FedDF): the mean of the teachers' softmaxes, T = 1.
+        target = sum(_softmax_rows(t(x)) for t in _teachers(replies)) / len(replies)
     student = build_model("digits_cnn", (1, 8, 8), 10).train()
     start = get_flat(sim.server.model)
     set_flat(student, start)
