@@ -387,3 +387,23 @@ def test_personal_accuracy_is_each_clients_own_model_on_its_own_test_split(digit
         expected.append(100.0 * correct / len(ix))
     assert history[-1]["personal_accuracies"] == pytest.approx(expected, abs=1e-9)
     assert len(set(expected)) > 1  # the clients' own models differ
+
+
+@pytest.mark.parametrize("ablation, variance", [("uniform", 3.0**2 / 12), ("normal", 3.0), ("exponential", 1 / 9)])
+def test_table8_stand_ins_have_the_laws_of_the_protocol(ablation, variance):
+    """ξ ~ U(0, 3), N(0, 3) or E(3) (rate 3), d^k = softmax(ξ): the softmax keeps ξ up to a constant, so the
+    spread of log d^k − mean(log d^k) over many clients must be Var ξ·(1 − 1/C) (a missing √3 gives 0.9 for the
+    normal law, a mean-3 exponential 8.1)."""
+    from types import SimpleNamespace
+
+    from fedistill.algorithms.build import make_algorithm
+
+    algorithm = make_algorithm(fd_config("fedict", params={"distribution_ablation": ablation}))
+    c, n = 10, 3000
+    centred = []
+    for k in range(n):
+        client = SimpleNamespace(data=SimpleNamespace(num_classes=c), generator=torch.Generator().manual_seed(k), state={})
+        log_d = algorithm.client_distribution(client).log()
+        centred.append(log_d - log_d.mean())
+    spread = float(torch.stack(centred).pow(2).mean())
+    assert spread == pytest.approx(variance * (1 - 1 / c), rel=0.06)
