@@ -338,7 +338,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     # SIGTERM takes the Ctrl-C path: the round in progress is abandoned, run.log notes it, the worker pool is
     # shut down (the default action killed this process alone and left the workers running), exit 143.
     previous = signal.signal(signal.SIGTERM, _raise_terminated) if _in_main_thread() else None
-    terminated = False
     try:
         return handlers[args.command](args)
     except TrainingDiverged as exc:
