@@ -407,3 +407,15 @@ def test_table8_stand_ins_have_the_laws_of_the_protocol(ablation, variance):
         centred.append(log_d - log_d.mean())
     spread = float(torch.stack(centred).pow(2).mean())
     assert spread == pytest.approx(variance * (1 - 1 / c), rel=0.06)
+
+
+@pytest.mark.parametrize("key, variant", [("fpkd_weights", "sim"), ("lka_weights", "balance")])
+def test_the_authors_linear_weights_run_and_change_the_training(digits, key, variant):
+    """The card's options for the code's linear weights (A4, A5) reach the losses: same clients and batches,
+    different models after two rounds."""
+    runs = {}
+    for form in ("softmax", "linear"):
+        sim, history = run(fd_config("fedict", rounds=2, params={"variant": variant, key: form}, run__checkpoint_every=0), digits)
+        runs[form] = sim.server_runtime.client_store.load(0)["model"]
+        assert all(math.isfinite(r["server_loss"]) for r in history)
+    assert not torch.equal(runs["softmax"], runs["linear"])

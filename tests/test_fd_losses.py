@@ -571,3 +571,15 @@ def test_skr_has_no_gradient():
     o = torch.randn(3, 6, generator=g).requires_grad_()
     distillation_kl_from_probs(o, out, 3.0).backward()
     assert z.grad is None and o.grad is not None
+
+
+def test_the_authors_linear_weights_are_the_card_options():
+    """Card A4/A5: the code's FPKD weights d^k/T and balance weights (d^S − d^k)/U, written out."""
+    d_k = torch.tensor([0.5, 0.3, 0.2, 0.0], dtype=torch.float64)
+    d_s = torch.tensor([0.25, 0.25, 0.25, 0.25], dtype=torch.float64)
+    assert fpkd_class_weights(d_k, 3.0, "linear").tolist() == pytest.approx([0.5 / 3, 0.1, 0.2 / 3, 0.0])
+    v = lka_balance_weights(d_s, d_k, 7.0, "linear")
+    assert v.tolist() == pytest.approx([-0.25 / 7, -0.05 / 7, 0.05 / 7, 0.25 / 7])
+    assert bool((v < 0).any())  # why the card keeps the softmax by default: a negative weight, an unbounded loss
+    with pytest.raises(ValueError, match="form"):
+        fpkd_class_weights(d_k, 3.0, "cubic")

@@ -519,12 +519,17 @@ def global_label_distribution(distributions: torch.Tensor, counts: torch.Tensor)
     return (n[:, None] * distributions.double()).sum(dim=0) / total
 
 
-def fpkd_class_weights(distribution: torch.Tensor, temperature: float) -> torch.Tensor:
+def fpkd_class_weights(distribution: torch.Tensor, temperature: float, form: str = "softmax") -> torch.Tensor:
     """FedICT's FPKD class weights ``w^k_r = exp(f^k_r/T) / Σ_j exp(f^k_j/T)`` (spec/fedict.md Eq. 11).
 
     Float64 softmax of the client's class frequencies: strictly positive, sums to 1, keeps the order of
-    ``f^k``; ``T → ∞`` gives ``1/C``, ``T → 0⁺`` the one-hot of ``argmax f^k``.
+    ``f^k``; ``T → ∞`` gives ``1/C``, ``T → 0⁺`` the one-hot of ``argmax f^k``. ``form="linear"`` is the
+    authors' code, ``d^k/T`` (card A4): zero for a class the client lacks, summing to 1/T.
     """
+    if form == "linear":
+        return distribution.double() / temperature
+    if form != "softmax":
+        raise ValueError(f"fpkd_class_weights: form {form!r} is not softmax or linear")
     return torch.softmax(distribution.double() / temperature, dim=-1)
 
 
@@ -546,14 +551,19 @@ def lka_similarity(global_distribution: torch.Tensor, local_distribution: torch.
 
 
 def lka_balance_weights(
-    global_distribution: torch.Tensor, local_distribution: torch.Tensor, temperature: float
+    global_distribution: torch.Tensor, local_distribution: torch.Tensor, temperature: float, form: str = "softmax"
 ) -> torch.Tensor:
     """FedICT(balance)'s class weights ``v^k_r = softmax((f^S − f^k)/U)_r`` (spec/fedict.md Eq. 14).
 
     Float64; strictly positive, sums to 1, exactly ``1/C`` when ``d^k = d^S``, and ``v^k_a > v^k_b`` iff class a
-    is rarer locally relative to the global distribution than class b.
+    is rarer locally relative to the global distribution than class b. ``form="linear"`` is the authors' code,
+    ``(d^S − d^k)/U`` (card A5): it can be negative, which makes the server loss unbounded below.
     """
     diff = global_distribution.double() - local_distribution.double()
+    if form == "linear":
+        return diff / temperature
+    if form != "softmax":
+        raise ValueError(f"lka_balance_weights: form {form!r} is not softmax or linear")
     return torch.softmax(diff / temperature, dim=-1)
 
 

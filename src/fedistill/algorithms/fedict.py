@@ -44,6 +44,12 @@ class FedICTParams(FedGKTParams):
     lka_weight: float = Field(1.5, ge=0, description="μ of Eq. 9")
     fpkd_temperature: float = Field(3.0, gt=0, description="T of Eq. 11")
     lka_temperature: float = Field(7.0, gt=0, description="U of Eq. 14")
+    fpkd_weights: Literal["softmax", "linear"] = Field(
+        "softmax", description="w^k of Eq. 11 (softmax), or the authors' code's d^k/T (card A4)"
+    )
+    lka_weights: Literal["softmax", "linear"] = Field(
+        "softmax", description="v^k of Eq. 14 (softmax), or the authors' code's (d^S − d^k)/U, possibly negative (card A5)"
+    )
     distribution_ablation: Literal["none", "uniform", "normal", "exponential"] = Field(
         "none",
         description="Table VIII's D_meta@: replace d^k by softmax(ξ), ξ_c i.i.d. U(0,3), N(0, variance 3) or "
@@ -84,7 +90,9 @@ class FedICT(FedGKT):
         key = (client.cid, client.round)
         if getattr(self, "_weights_key", None) != key:
             self._weights_key = key
-            self._weights = fpkd_class_weights(self.client_distribution(client), self.params.fpkd_temperature).float()
+            self._weights = fpkd_class_weights(
+                self.client_distribution(client), self.params.fpkd_temperature, self.params.fpkd_weights
+            ).float()
         return self._weights
 
     def client_distillation(self, client: ClientContext, logits: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor:
@@ -131,6 +139,6 @@ class FedICT(FedGKT):
         if p.variant == "sim":
             weight = p.kd_weight + p.lka_weight * lka_similarity(glob, local)
             return weight * distillation_kl(outputs, client_logits, p.temperature)
-        v = lka_balance_weights(glob, local, p.lka_temperature).float().to(outputs.device)
+        v = lka_balance_weights(glob, local, p.lka_temperature, p.lka_weights).float().to(outputs.device)
         plain = p.kd_weight * distillation_kl(outputs, client_logits, p.temperature)
         return plain + p.lka_weight * distillation_kl(outputs, client_logits, p.temperature, class_weights=v)
