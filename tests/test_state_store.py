@@ -93,3 +93,19 @@ def test_stateless_methods_write_no_state_and_auto_without_a_directory_is_memory
     sim.run()
     assert not (tmp_path / "client_states").exists()
     assert isinstance(Simulation(small_config(rounds=1), digits).server_runtime.client_store, MemoryStateStore)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_as_stored_is_what_a_save_and_load_give_back(tmp_path, dtype):
+    """What a client forms its uploaded change from (SCAFFOLD's c_k, FedCurv's u_k) must be exactly what the
+    store returns; for bf16 that is a value bf16 represents, within 2^-8 relative of the original."""
+    from fedistill.engine.state_store import as_stored
+
+    value = torch.randn(1000, generator=torch.Generator().manual_seed(0)) * 1e-3
+    for store in (MemoryStateStore(dtype=dtype), DiskStateStore(tmp_path / dtype, dtype=dtype)):
+        store.save(3, {"c": value}, 1)
+        assert torch.equal(store.load(3)["c"], as_stored(value, dtype))
+    rounded = as_stored(value, dtype)
+    assert torch.equal(as_stored(rounded, dtype), rounded)  # idempotent: a kept value rounds to itself
+    assert float(((rounded - value).abs() / value.abs()).max()) <= (2.0**-8 if dtype == "bf16" else 0.0)
+    assert torch.equal(rounded, value) == (dtype == "fp32")

@@ -55,8 +55,13 @@ def as_stored(tensor: torch.Tensor, dtype: str) -> torch.Tensor:
     (SCAFFOLD's ``c_k``, FedCurv's ``u_k``) computes that change from this value, so that the server's sum
     stays the sum of what the clients keep."""
     if dtype == "bf16" and tensor.dtype == torch.float32:
-        return tensor.to(torch.bfloat16).float()
+        return _narrow(tensor).float()
     return tensor
+
+
+def _narrow(tensor: torch.Tensor) -> torch.Tensor:
+    """The bf16 store's one rounding (to nearest even), shared by :func:`pack_state` and :func:`as_stored`."""
+    return tensor.to(torch.bfloat16)
 
 
 def pack_state(state: dict[str, Any], dtype: str) -> dict[str, Any]:
@@ -69,7 +74,7 @@ def pack_state(state: dict[str, Any], dtype: str) -> dict[str, Any]:
         return state
     packed = dict(state)
     for key in rounded:
-        packed[key] = state[key].to(torch.bfloat16)
+        packed[key] = _narrow(state[key])
     packed[_ROUNDED_KEY] = rounded
     return packed
 
