@@ -18,13 +18,14 @@ from fedistill.losses import (
     customized_label_distribution,
     diversity_loss,
     ensemble_distribution,
+    generator_objective,
     model_discrepancy,
     soft_cross_entropy,
     stratified_labels,
     weighted_classification_loss,
 )
 from fedistill.models import build_generator
-from fedistill.models.flat import get_flat
+from fedistill.models.flat import get_flat, set_flat
 from fedistill.registry import GENERATORS
 
 M = 10
@@ -312,6 +313,192 @@ def test_batched_teacher_pass_equals_one_module_per_teacher(name, vmapped):
     assert torch.allclose(ensemble.logits(2, x), expected[2], atol=1e-5)
 
 
+# -- regressions for planted bugs: label allocation, the 1/|S_t| of L_dis, BatchNorm modes, the lr schedule ----
+def test_pseudo_labels_follow_the_pooled_label_counts_not_a_uniform_draw():
+    """Card Eq. 9 and StratifiedLabels: the labels the generator is conditioned on are allocated in proportion to
+    the selected clients' pooled counts Σ_k n_k^y (the same labels in the generator and the student phase of an
+    iteration). Catches: uniform label sampling under the default ``label_sampling: customized``."""
+    counts = torch.tensor([[30, 0, 0], [5, 3, 2]])  # pooled (35, 3, 2): 87.5 % of the data is class 0
+    student, _, ensemble, generator = tiny_setup(counts)
+    seen: list[tuple[bool, torch.Tensor]] = []
+    generator.register_forward_pre_hook(lambda module, args: seen.append((module.training, args[1].clone())))
+    for sampling, expected in (("customized", [17, 2, 1]), ("uniform", [6, 7, 7])):
+        # By hand, N = I·B = 20 labels, E_y = (N · Σ_{y'≤y} c_y') // Σ c, class y gets E_y − E_{y−1}:
+        # customized c = (35, 3, 2): E = (700, 760, 800) // 40 = (17, 19, 20) → 17, 2, 1;
+        # uniform    c = (1, 1, 1):  E = (20, 40, 60) // 3 = (6, 13, 20) → 6, 7, 7.
+        p = FedFTGParams(iterations=4, generator_steps=1, student_steps=1, batch_size=5, noise_dim=8, label_sampling=sampling)
+        seen.clear()
+        server_fine_tune(student, generator, ensemble, counts, p, rng=make_generator(0, FEDFTG, 1))
+        # Per iteration: one generator-phase forward per teacher (train mode), then the student batch (eval mode).
+        assert [training for training, _ in seen] == [True, True, False] * 4
+        per_iteration = [seen[3 * i : 3 * i + 3] for i in range(4)]
+        assert all(torch.equal(y, it[0][1]) for it in per_iteration for _, y in it)
+        drawn = torch.cat([it[0][1] for it in per_iteration])
+        assert torch.bincount(drawn, minlength=3).tolist() == expected, sampling
+
+
+def test_generator_objective_divides_the_diversity_term_by_the_number_of_teachers():
+    """Card §3 (e): L_G^k = −L_md^k + λ_cls L_cls^k + (λ_dis/|S_t|) L_dis, so one pass over the |S_t| teachers adds
+    up to λ_dis L_dis. Written out with |S_t| = 4 and distinct term values. Catches: λ_dis L_dis not divided by
+    the number of teachers (or the wrong sign or weight on any term)."""
+    md, cls, dis = torch.tensor(0.7), torch.tensor(1.3), torch.tensor(0.4)
+    # −0.7 + 0.5·1.3 + (2/4)·0.4 = −0.7 + 0.65 + 0.2 = 0.15; without −L_md: 0.85.
+    assert abs(float(generator_objective(md, cls, dis, 0.5, 2.0, 4)) - 0.15) < 1e-6
+    assert abs(float(generator_objective(md, cls, dis, 0.5, 2.0, 4, hard_sample_mining=False)) - 0.85) < 1e-6
+    # The diversity term alone, summed over one pass through the 4 teachers: λ_dis L_dis = 2·0.4.
+    one_pass = sum(float(generator_objective(md, cls, dis, 0.0, 2.0, 4, hard_sample_mining=False)) for _ in range(4))
+    assert abs(one_pass - 0.8) < 1e-6
+    # With 5 teachers: −0.7 + 0.65 + (2/5)·0.4 = 0.11.
+    assert abs(float(generator_objective(md, cls, dis, 0.5, 2.0, 5)) - 0.11) < 1e-6
+
+
+BN_SHAPE = (1, 8, 8)  # resnet8 (BatchNorm after every convolution) needs 8x8 to stay above 1x1
+
+
+def bn_setup(counts: torch.Tensor, seed: int = 0):
+    """Like :func:`tiny_setup` with narrow ResNet-8s: BatchNorm in the student and the teachers, whose running
+    statistics are perturbed per teacher so that their eval-mode (running) and train-mode (batch) outputs differ."""
+    from fedistill.models import build_model
+
+    m = counts.shape[1]
+    models = []
+    for k in range(counts.shape[0] + 1):
+        torch.manual_seed(seed + k)
+        model = build_model("resnet8", BN_SHAPE, m, width=4)
+        for name, buf in model.named_buffers():
+            if name.endswith("running_mean"):
+                buf.add_(0.5 * torch.randn_like(buf))
+            elif name.endswith("running_var"):
+                buf.mul_(0.5 + torch.rand_like(buf))
+        models.append(model.eval())
+    student, teachers = models[0], models[1:]
+    ensemble = TeacherEnsemble().load(student, [get_flat(t) for t in teachers], torch.device("cpu"))
+    torch.manual_seed(seed + 100)
+    generator = build_generator("cgenerator", BN_SHAPE, m, noise_dim=8, ngf=4)
+    return student, teachers, ensemble, generator
+
+
+def _bn_updates(module: nn.Module, since: list[int] | None = None) -> list[int]:
+    """Every BatchNorm layer's ``num_batches_tracked`` (one per train-mode forward), minus ``since``."""
+    counts = [int(m.num_batches_tracked) for m in module.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    return counts if since is None else [c - s for c, s in zip(counts, since)]
+
+
+@pytest.mark.parametrize("freeze", [False, True])
+def test_student_is_distilled_in_train_mode_unless_its_bn_stats_are_frozen(freeze):
+    """Card §4 (``G.eval(); student.train()``) and ambiguity 9: during its I_d distillation steps the student is in
+    train mode, so its BatchNorm running statistics track the pseudo batches (one update per step: I·I_d in all);
+    ``freeze_student_bn_stats: true`` keeps every statistic as it was while the weights still learn. The caller's
+    mode is restored either way. Catches: the student distilled in eval mode (the generator phase: next test)."""
+    counts = torch.tensor([[5, 1, 2], [0, 3, 3]])
+    student, _, ensemble, generator = bn_setup(counts)
+    p = FedFTGParams(
+        iterations=1, generator_steps=0, student_steps=2, batch_size=8, noise_dim=8, freeze_student_bn_stats=freeze
+    )
+    for was_training in (True, False):
+        student.train(was_training)
+        buffers = {name: b.clone() for name, b in student.named_buffers()}
+        weights_before = [q.detach().clone() for q in student.parameters()]
+        tracked = _bn_updates(student)
+        server_fine_tune(student, generator, ensemble, counts, p, rng=make_generator(0, FEDFTG, 1))
+        assert student.training is was_training and all(m.training is was_training for m in student.modules())
+        stats = [name for name in buffers if name.endswith(("running_mean", "running_var"))]
+        assert stats
+        moved = [name for name in stats if not torch.equal(dict(student.named_buffers())[name], buffers[name])]
+        steps = set(_bn_updates(student, tracked))
+        if freeze:
+            assert moved == [] and steps == {0}
+        else:
+            assert moved == stats and steps == {p.iterations * p.student_steps}
+        trainable = torch.cat([q.detach().flatten() for q in student.parameters()])
+        assert not torch.equal(trainable, torch.cat([q.flatten() for q in weights_before]))  # it learned either way
+
+
+def test_batchnorm_modes_of_teachers_generator_and_student_on_the_server():
+    """Card §4 on a BatchNorm model (the other fine-tune tests use BN-free models, where no mode bug can show):
+    the teachers run in eval mode (running statistics: a sample's logits alone equal its logits inside a batch,
+    and their statistics never change); the generator trains in train mode (its statistics updated once per
+    teacher step, I·I_g·|S_t|) and makes the student's batch in eval mode; the student is in eval mode while
+    the generator trains and in train mode on exactly that eval-mode batch while it is distilled."""
+    counts = torch.tensor([[5, 1, 2], [0, 3, 3]])
+    student, teachers, ensemble, generator = bn_setup(counts, seed=3)
+    x = torch.randn(6, *BN_SHAPE)
+    expected = torch.stack([t.eval()(x) for t in teachers]).detach()
+    for k in range(len(teachers)):
+        assert torch.allclose(ensemble.logits(k, x[:1]), ensemble.logits(k, x)[:1], atol=1e-5)
+    assert torch.allclose(ensemble.all_logits(x), expected, atol=1e-5)
+    teacher_state = {name: t.clone() for name, t in ensemble.stacked.items()}
+
+    def bn_modes(module: nn.Module) -> set[bool]:
+        return {m.training for m in module.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)}
+
+    events: list[tuple] = []
+    generator.register_forward_hook(lambda m, args, out: events.append(("G", bn_modes(m), bn_modes(student), out.detach())))
+    student.register_forward_pre_hook(lambda m, args: events.append(("S", bn_modes(m), bn_modes(generator), args[0].detach())))
+    ensemble._template.register_forward_pre_hook(lambda m, args: events.append(("T", bn_modes(m))))
+    p = FedFTGParams(iterations=2, generator_steps=1, student_steps=2, batch_size=8, noise_dim=8, md_metric_gen="kl")
+    generator_before, student_before = _bn_updates(generator), _bn_updates(student)
+    server_fine_tune(student, generator, ensemble, counts, p, rng=make_generator(0, FEDFTG, 1))
+
+    teacher_calls = [e for e in events if e[0] == "T"]
+    assert teacher_calls and all(e[1] == {False} for e in teacher_calls)  # every teacher forward in eval mode
+    assert all(torch.equal(ensemble.stacked[n], t) for n, t in teacher_state.items())
+    generator_train = [e for e in events if e[0] == "G" and e[1] == {True}]
+    generator_eval = [e for e in events if e[0] == "G" and e[1] == {False}]
+    assert len(generator_train) + len(generator_eval) == sum(e[0] == "G" for e in events)
+    assert len(generator_train) == p.iterations * p.generator_steps * len(teachers)
+    assert len(generator_eval) == p.iterations  # one student batch per iteration
+    assert all(e[2] == {False} for e in generator_train)  # the student is frozen (eval) while the generator trains
+    assert set(_bn_updates(generator, generator_before)) == {len(generator_train)}  # the eval-mode batches: none
+    student_calls = [e for e in events if e[0] == "S"]
+    assert all(e[1] == {False} for e in student_calls if e[2] == {True})  # generator phase: student in eval mode
+    distilled = [i for i, e in enumerate(events) if e[0] == "S" and e[2] == {False}]
+    assert len(distilled) == p.iterations * p.student_steps
+    for i in distilled:
+        assert events[i][1] == {True}  # the student in train mode
+        last_batch = [e for e in events[:i] if e[0] == "G"][-1]
+        assert last_batch[1] == {False} and torch.equal(events[i][3], last_batch[3])  # on the eval-mode batch
+    assert set(_bn_updates(student, student_before)) == {len(distilled)}
+
+
+def test_round_one_uses_the_base_learning_rates_and_round_t_decays_by_t_minus_one(monkeypatch):
+    """Card §5: student lr 0.1·0.998^(t−1) and generator lr 0.01·0.998^(t−1) for round t counted from 1 (the
+    card's t from 0), with fresh optimisers every round. Spied at the optimisers' construction through
+    :meth:`FedFTG.refine`, with lr_decay 0.5 so that each power shows. Catches: the exponent t instead of t−1."""
+    from fedistill.algorithms.base import RoundInfo, ServerContext
+    from fedistill.algorithms.fedftg import FedFTG
+
+    lrs: dict[str, list[float]] = {"student": [], "generator": []}
+    real_sgd, real_adam = torch.optim.SGD, torch.optim.Adam
+
+    class SpySGD(real_sgd):
+        def __init__(self, params, lr, **kwargs):
+            lrs["student"].append(lr)
+            super().__init__(params, lr=lr, **kwargs)
+
+    class SpyAdam(real_adam):
+        def __init__(self, params, lr, **kwargs):
+            lrs["generator"].append(lr)
+            super().__init__(params, lr=lr, **kwargs)
+
+    monkeypatch.setattr(torch.optim, "SGD", SpySGD)
+    monkeypatch.setattr(torch.optim, "Adam", SpyAdam)
+    counts = torch.tensor([[5, 1, 2], [0, 3, 3]])
+    student, teachers, _, _ = tiny_setup(counts)
+    p = FedFTGParams(
+        iterations=1, generator_steps=1, student_steps=1, batch_size=4, noise_dim=8, generator_width=4,
+        student_lr=0.3, generator_lr=0.02, lr_decay=0.5,
+    )  # fmt: skip
+    algorithm = FedFTG(p, None)
+    server = ServerContext(model=student, state={}, generator=torch.Generator(), num_classes=3, input_shape=SHAPE)
+    replies = [{"label_counts": counts[k], "weights": get_flat(t)} for k, t in enumerate(teachers)]
+    for t in (1, 2, 3):
+        algorithm.refine(server, RoundInfo(round=t, lr=0.1), replies, [0, 1])
+    # 0.3·0.5^(t−1) and 0.02·0.5^(t−1): halvings, exact in binary floating point.
+    assert lrs["student"] == [0.3, 0.15, 0.075]
+    assert lrs["generator"] == [0.02, 0.01, 0.005]
+
+
 # -- the algorithm in the simulation -----------------------------------------------------------------
 # Few iterations and a narrower generator keep the end-to-end runs to seconds on a CPU.
 FAST_FTG = {"iterations": 2, "batch_size": 32, "generator_width": 16}
@@ -319,12 +506,11 @@ FAST = {f"algorithm.{k}": v for k, v in FAST_FTG.items()}
 
 
 def test_zero_iterations_is_the_base_method_bit_for_bit_and_leaves_the_generator(digits):
-    """FedFTG only refines after the aggregation; it brings its card's uniform mean over S_t along (ambiguity 11),
-    so the base method with that mean is what it must equal."""
+    """FedFTG only refines after the aggregation and brings no weighting of its own (card ambiguity 11: the
+    |D_k|-weighted mean, FedAvg's default), so with I = 0 it is the base method, defaults and all, bit for bit."""
     off = {"fedftg": {"iterations": 0}}
     for base in ("fedavg", "scaffold"):
-        uniform = {"algorithm.weighting": "uniform"}
-        assert_same_rounds(small_config(algorithm=base, **uniform), small_config(algorithm=base, **{"algorithm.plus": off}), digits)
+        assert_same_rounds(small_config(algorithm=base), small_config(algorithm=base, **{"algorithm.plus": off}), digits)
     sim = Simulation(small_config(algorithm="fedftg", **{"algorithm.iterations": 0}), digits)
     initial = sim.server.state[GENERATOR_KEY].clone()
     row = sim.run_round(1)
@@ -423,19 +609,38 @@ def test_cli_runs_fedftg_alone_and_as_an_ingredient(tmp_path):
         assert "fedftg_refine_seconds" in (tmp_path / name / "metrics.jsonl").read_text()
 
 
-def test_aggregation_is_the_plain_mean_over_the_round_clients_unless_set(digits):
-    """Card ambiguity 11: ω ← mean_{k∈S_t} ω_k by default (not |D_k|-weighted), standalone and added to a method;
-    ``weighting: samples`` is the code's FedAvg path. The mean is written out here from the replies."""
+def test_aggregation_is_the_size_weighted_mean_unless_uniform_is_set(digits):
+    """Card ambiguity 11 (revised 2026-11-24): ω ← Σ_k |D_k| ω_k / Σ_k |D_k| by default (the released code's
+    FedAvg path), standalone and added to a method (where the base's weighting applies: FedDyn keeps its uniform
+    mean); ``weighting: uniform`` is the paper's plain mean over S_t. Both written out here from the replies'
+    num_samples and weights. Catches: the plain mean as default again, or ``plus`` bringing a weighting along."""
     from fedistill.algorithms.build import make_algorithm
 
-    assert make_algorithm(small_config(algorithm="fedftg")).params.weighting == "uniform"
-    assert make_algorithm(small_config(algorithm="fedavg", **{"algorithm.plus": {"fedftg": {}}})).params.weighting == "uniform"
-    explicit = small_config(algorithm="fedftg", **{"algorithm.weighting": "samples"})
-    assert make_algorithm(explicit).params.weighting == "samples"
+    def weighting(**overrides):
+        algorithm = make_algorithm(small_config(**overrides))
+        return {part.name: part.params.weighting for part in getattr(algorithm, "parts", [algorithm])}
+
+    assert weighting(algorithm="fedftg") == {"fedftg": "samples"}
+    assert weighting(algorithm="fedavg", **{"algorithm.plus": {"fedftg": {}}}) == {"fedavg": "samples", "fedftg": "samples"}
+    assert weighting(algorithm="feddyn", **{"algorithm.plus": {"fedftg": {}}}) == {"feddyn": "uniform", "fedftg": "uniform"}
+    plus_uniform = {"algorithm.plus": {"fedftg": {"weighting": "uniform"}}}
+    assert weighting(algorithm="fedavg", **plus_uniform) == {"fedavg": "uniform", "fedftg": "uniform"}
+    assert weighting(algorithm="fedftg", **{"algorithm.weighting": "uniform"}) == {"fedftg": "uniform"}
+
     sim = Simulation(small_config(algorithm="fedftg", **{"algorithm.iterations": 0}), digits)
     info = sim.round_info(1)
-    replies = {c: sim.client_runtime.update(c, info, sim.server_runtime.broadcast(info, c), {}) for c in sim.server_runtime.select_clients(1)}
-    assert len({int(r["num_samples"]) for r in replies.values()}) > 1  # unequal sizes, so the weighting shows
-    expected = torch.stack([r["weights"].double() for r in replies.values()]).mean(0)
+    cids = sim.server_runtime.select_clients(1)
+    replies = {c: sim.client_runtime.update(c, info, sim.server_runtime.broadcast(info, c), {}) for c in cids}
+    sizes = [int(r["num_samples"]) for r in replies.values()]
+    assert len(set(sizes)) > 1  # unequal sizes, so the weighting shows
+    vectors = [r["weights"].double() for r in replies.values()]
+    weighted = sum(n * v for n, v in zip(sizes, vectors)) / sum(sizes)
+    plain = sum(vectors) / len(vectors)
+    assert float((weighted - plain).abs().max()) > 1e-3  # the two rules are told apart
+    start = get_flat(sim.server.model)
     sim.algorithm.aggregate(sim.server, info, replies)
-    assert torch.allclose(get_flat(sim.server.model).double(), expected, atol=1e-6)
+    assert torch.allclose(get_flat(sim.server.model).double(), weighted, atol=1e-6)
+    set_flat(sim.server.model, start)  # the same replies, aggregated by ``weighting: uniform``
+    uniform = make_algorithm(small_config(algorithm="fedftg", **{"algorithm.iterations": 0, "algorithm.weighting": "uniform"}))
+    uniform.aggregate(sim.server, info, replies)
+    assert torch.allclose(get_flat(sim.server.model).double(), plain, atol=1e-6)

@@ -61,9 +61,11 @@ GENERATOR_KEY = "fedftg_generator"  # server.state: the generator's flat weights
 
 
 class FedFTGParams(FedAvgParams):
-    # Card ambiguity 11: the paper's Eq. step 3(a) is the plain mean over S_t (the code's |D_k| weights agree on
-    # its balanced partitions); added to another method through ``plus`` it brings the uniform mean along.
-    weighting: Literal["samples", "uniform"] = Field("uniform", description="aggregation weights p_k (card ambiguity 11)")
+    # Card ambiguity 11 (revised 2026-11-24): the |D_k|-weighted mean of the released code, not the paper's plain
+    # mean over S_t (the two agree on its balanced partitions). On unbalanced Dirichlet partitions the plain mean lets
+    # a 12-sample client count as much as a 2,000-sample one. This equals FedAvg's default, so added to another
+    # method through ``plus`` FedFTG brings no weighting of its own: the base's default (or the value set) applies.
+    weighting: Literal["samples", "uniform"] = Field("samples", description="aggregation weights p_k (card ambiguity 11)")
     iterations: int = Field(10, ge=0, description="I: generator/student rounds of the fine-tune (0 = the base method)")
     generator_steps: int = Field(1, ge=0, description="I_g: passes over the teachers per iteration, one step each")
     student_steps: int = Field(5, ge=0, description="I_d: student SGD steps per iteration on the same pseudo batch")
