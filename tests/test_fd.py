@@ -419,3 +419,56 @@ def test_the_authors_linear_weights_run_and_change_the_training(digits, key, var
         runs[form] = sim.server_runtime.client_store.load(0)["model"]
         assert all(math.isfinite(r["server_loss"]) for r in history)
     assert not torch.equal(runs["softmax"], runs["linear"])
+
+
+# -- BatchNorm modes (fedgkt.md §4, A4, A6; feddkc.md A8; fedict.md §4, A10, A11) ------------------------------
+@pytest.mark.parametrize("algorithm", ["fedgkt", "feddkc", "fedict"])
+def test_batchnorm_modes_of_client_and_server_follow_the_card(digits, algorithm):
+    """BatchNorm client (fd_resnet2: conv-BN extractor) and server (fd_server_resnet56, one block per stage).
+
+    The client trains in train mode and extracts the uploaded H^k, Z^k in eval mode (A6 / fedict A10): the
+    uploads equal the final client model run in eval mode on the clean view, and the BN statistics it keeps are
+    those of its training alone. The server trains on the features in train mode and computes the knowledge
+    Z_s^k in eval mode right after finishing client k (A4 / fedict A11): the answer equals the trained server in
+    eval mode. Forward pre-hooks on the first BN layer of each model record the mode of every batch, so a flipped
+    ``.train()`` / ``.eval()`` in any of the four phases fails (FedDKC and FedICT inherit FedGKT's loops)."""
+    cfg = fd_config(algorithm, rounds=1, clients=["fd_resnet2"], params={"extract_view": "clean"},
+                    partition__num_clients=20, local__batch_size=32)  # fmt: skip
+    sim = Simulation(cfg, digits)
+    client, cid, info = sim.client_runtime, 0, RoundInfo(1, 0.05)
+    worker = client.worker_for("fd_resnet2")
+    server_model = sim.server.model
+    modes: dict[str, list[bool]] = {"client": [], "server": []}
+
+    def recorder(log):
+        return lambda module, inputs: log.append(module.training)
+
+    first_bn = lambda m: next(x for x in m.modules() if isinstance(x, torch.nn.BatchNorm2d))  # noqa: E731
+    hooks = [first_bn(worker).register_forward_pre_hook(recorder(modes["client"])),
+             first_bn(server_model).register_forward_pre_hook(recorder(modes["server"]))]  # fmt: skip
+    try:
+        state: dict = {}
+        reply = client.algorithm.local_update(client.context(cid, 1, state), info, Message())
+        sim.algorithm.aggregate(sim.server, info, {cid: reply})
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+    n = client.train_indices[cid].numel()
+    train_batches, upload_chunks = math.ceil(n / 32), math.ceil(n / 256)
+    assert modes["client"] == [True] * train_batches + [False] * upload_chunks
+    assert modes["server"] == [True] * train_batches + [False] * upload_chunks
+
+    from fedistill.models import build_model
+
+    final = build_model("fd_resnet2", digits.input_shape, digits.num_classes)
+    set_flat(final, state["model"])
+    final.eval()
+    x, _ = client.pipeline.clean_batch(client.train_indices[cid])
+    with torch.no_grad():
+        h = final.split_features(x)
+        z = final.split_predict(h)
+        knowledge = server_model.eval()(reply["features"])
+    torch.testing.assert_close(reply["features"], h, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(reply["logits"], z, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(sim.server.state["knowledge"][cid], knowledge, rtol=1e-4, atol=1e-4)

@@ -8,6 +8,7 @@ import pytest
 import torch
 from conftest import assert_learns, assert_resume_is_exact, assert_same_rounds, global_vectors, small_config
 
+from fedistill.algorithms.base import Message
 from fedistill.algorithms.feddf import GENERATOR_KEY
 from fedistill.engine.simulation import Simulation
 from fedistill.errors import ConfigError
@@ -267,3 +268,124 @@ def test_one_student_step_follows_the_gradient_of_kl_teacher_to_student(digits):
     moved = get_flat(sim.server.model)
     assert torch.allclose(moved, expected, atol=1e-6)
     assert not torch.allclose(moved, start, atol=1e-5)
+
+
+# -- proxy mode: the cosine schedule and the BatchNorm modes of teachers and student ------------------------
+def _uploads(model, name, kwargs, count=3, seed=0):
+    """``count`` hand-made uploads around ``model``: parameters plus noise and, where the model has BatchNorm,
+    running statistics of their own (so that eval-mode outputs differ from batch-statistics outputs)."""
+    base = get_flat(model)
+    noise = torch.Generator().manual_seed(seed)
+    replies = []
+    for k in range(count):
+        copy = build_model(name, (1, 8, 8), 10, **kwargs)
+        set_flat(copy, base + 0.05 * torch.randn(base.shape, generator=noise))
+        with torch.no_grad():
+            for buffer_name, buf in copy.named_buffers():
+                if buffer_name.endswith("running_mean"):
+                    buf.copy_(torch.rand(buf.shape, generator=noise) * 2 - 1)
+                elif buffer_name.endswith("running_var"):
+                    buf.copy_(0.5 + (1.5 + k) * torch.rand(buf.shape, generator=noise))
+        replies.append(Message({"weights": get_flat(copy), "num_samples": 20 + 10 * k}))
+    return replies
+
+
+def test_proxy_distillation_lr_is_cosine_annealed_over_the_distillation_steps(digits, monkeypatch):
+    """Card §4-5 proxy mode: Adam(lr η₀) with CosineAnnealing(T_max = N_d), one scheduler step per student
+    step, so step j = 0..N_d−1 runs at η_j = η₀ · (1 + cos(π j / N_d)) / 2 (written out here). Catches a
+    removed schedule or a scheduler that is never stepped (every step at η₀)."""
+    lrs: list[float] = []
+
+    class RecordingAdam(torch.optim.Adam):
+        def step(self, closure=None):
+            lrs.append(self.param_groups[0]["lr"])
+            return super().step(closure)
+
+    steps, lr0 = 5, 2e-3
+    cfg = small_config(**{**PROXY, "algorithm.proxy_size": 64, "algorithm.distill_steps": steps,
+                          "algorithm.distill_batch_size": 16, "algorithm.distill_lr": lr0})  # fmt: skip
+    sim = Simulation(cfg, digits)
+    replies = _uploads(sim.server.model, "digits_cnn", {})
+    monkeypatch.setattr(torch.optim, "Adam", RecordingAdam)
+    sim.algorithm.aggregate(sim.server, sim.round_info(1), dict(enumerate(replies)))
+    expected = [lr0 * (1 + math.cos(math.pi * j / steps)) / 2 for j in range(steps)]
+    assert len(lrs) == steps
+    assert lrs == pytest.approx(expected, rel=1e-9, abs=1e-15)
+    assert lrs[-1] < 0.1 * lr0  # annealed towards 0, not constant
+
+
+def test_proxy_teachers_are_evaluated_in_eval_mode_and_the_student_bn_mode_follows_the_flag(digits, monkeypatch):
+    """On a BatchNorm model (resnet8, width 8), card §4 and ambiguity 5:
+
+    * teachers in eval mode: the target of every proxy sample equals σ(mean_k f_k(x)) with each teacher run on
+      that sample alone in eval mode (its running statistics), so it does not depend on the batch it came in
+      (teachers in train mode would normalise with the batch's statistics);
+    * the student distils in train mode by default: its first-step logits are the train-mode forward of the
+      aggregate and its BN running statistics move; with ``freeze_student_bn_stats`` it runs in eval mode and its
+      running statistics stay exactly the aggregate's while its parameters still train;
+    * the server model's train/eval flag is restored afterwards.
+    """
+    import fedistill.algorithms.feddf as feddf_module
+    from fedistill.engine.seeding import FEDDF, make_generator
+
+    # Width 8, not 4: on one CPU thread, torch 2.13 corrupts the heap in the backward of a channels-last 1x1
+    # stride-2 convolution with fewer than 8 input channels (resnet8's shortcut at width 4).
+    kwargs = {"width": 8}
+    for freeze in (False, True):
+        cfg = small_config(**{**PROXY, "model.name": "resnet8", "model.kwargs": kwargs, "algorithm.proxy_size": 32,
+                              "algorithm.distill_steps": 1, "algorithm.distill_batch_size": 32,
+                              "algorithm.distill_lr": 1e-2, "algorithm.freeze_student_bn_stats": freeze})  # fmt: skip
+        sim = Simulation(cfg, digits)
+        algorithm, model = sim.algorithm, sim.server.model
+        replies = _uploads(model, "resnet8", kwargs, seed=int(freeze))
+        captured: list[tuple[torch.Tensor, torch.Tensor]] = []
+        real = feddf_module.ensemble_distillation
+
+        def spy(logits, target, tau=1.0):
+            captured.append((logits.detach().clone(), target.clone()))
+            return real(logits, target, tau)
+
+        monkeypatch.setattr(feddf_module, "ensemble_distillation", spy)
+        snapshot = {}
+        refine = algorithm.refine
+
+        def watched(server, info, ordered, cids):
+            snapshot["start"] = get_flat(model).clone()
+            snapshot["training"] = model.training
+            return refine(server, info, ordered, cids)
+
+        algorithm.refine = watched
+        algorithm.aggregate(sim.server, sim.round_info(1), dict(enumerate(replies)))
+        del algorithm.refine
+        assert len(captured) == 1 and model.training == snapshot["training"]
+
+        # The proxy batch (all 32 images), in the order the round draws it.
+        pipeline, images = algorithm._proxy
+        rows = torch.randperm(images.shape[0], generator=make_generator(sim.server.seed, FEDDF, 1))[:32]
+        x = pipeline.normalise(images[rows])
+        with torch.no_grad():
+            teacher_logits, alone = [], []
+            for reply in replies:
+                teacher = build_model("resnet8", (1, 8, 8), 10, **kwargs).eval()
+                set_flat(teacher, reply["weights"])
+                teacher_logits.append(teacher(x))
+                alone.append(teacher(x[:1]))  # the first sample on its own: eval mode does not see the batch
+            target = _softmax_rows(sum(teacher_logits) / len(teacher_logits))
+            target_alone = _softmax_rows(sum(alone) / len(alone))
+        torch.testing.assert_close(captured[0][1], target, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(captured[0][1][:1], target_alone, rtol=1e-4, atol=1e-5)
+
+        student = build_model("resnet8", (1, 8, 8), 10, **kwargs).train(not freeze)
+        set_flat(student, snapshot["start"])
+        with torch.no_grad():
+            expected_logits = student(x)
+        torch.testing.assert_close(captured[0][0], expected_logits, rtol=1e-4, atol=1e-5)
+
+        start, end = build_model("resnet8", (1, 8, 8), 10, **kwargs), model
+        set_flat(start, snapshot["start"])
+        stats = [(name, buf) for name, buf in start.named_buffers() if name.endswith(("running_mean", "running_var"))]
+        after = dict(end.named_buffers())
+        moved = [not torch.equal(buf, after[name]) for name, buf in stats]
+        assert not any(moved) if freeze else all(moved), (freeze, moved)
+        assert not torch.equal(start.classifier.weight, end.classifier.weight)  # the student trained either way
+        monkeypatch.undo()

@@ -262,3 +262,140 @@ def test_one_generator_step_lowers_the_term_it_weights(digits, term):
     sim.algorithm.refine(sim.server, info, ordered, sorted(replies))
     after = value()
     assert after < before, (term, before, after)
+
+
+def _hand_made_replies(model, counts, seed=0):
+    """One reply per row of ``counts``: the model's flat vector plus small noise, and those label counts."""
+    base = get_flat(model)
+    noise = torch.Generator().manual_seed(seed)
+    return [
+        Message({"weights": base + 0.05 * torch.randn(base.shape, generator=noise),
+                 "label_counts": torch.tensor(row, dtype=torch.int64), "num_samples": 10 + 5 * k})
+        for k, row in enumerate(counts)
+    ]  # fmt: skip
+
+
+def test_server_label_weights_and_qualified_labels_use_the_plus_one_prior(digits, monkeypatch):
+    """Card §3: c_k^y = 1 + (processed samples of y), ω_{y,k} = c_k^y / Σ_j c_j^y, Y_q = {y : max_k c_k^y > 1}.
+
+    Catches a server that drops the +1 prior: with it, a client that processed no sample of a label another
+    client did still gets ω = 1/(Σ_j c_j^y) > 0 (without it: 0), and a label that one client processed exactly
+    once is qualified (without it: max c = 1, not > 1, the label is never generated)."""
+    import fedistill.algorithms.fedgen as fedgen_module
+
+    raw = [
+        [5, 0, 1, 0, 0, 0, 0, 0, 0, 2],  # label 2: processed once, by client 0 only
+        [0, 0, 0, 3, 0, 0, 0, 0, 0, 2],  # label 0: zero here, 5 and 7 at the others
+        [7, 0, 0, 0, 0, 0, 0, 0, 0, 0],  # labels 1, 4-8: nobody processed them
+    ]
+    # The card's formulas, written out with the +1.
+    expected = [[0.0] * 10 for _ in raw]
+    for y in range(10):
+        total = sum(1 + row[y] for row in raw)
+        for k, row in enumerate(raw):
+            expected[k][y] = (1 + row[y]) / total
+    expected_qualified = [max(1 + row[y] for row in raw) > 1 for y in range(10)]
+    assert expected_qualified == [True, False, True, True, False, False, False, False, False, True]
+    assert math.isclose(expected[1][0], 1 / 15) and math.isclose(expected[0][2], 2 / 4)
+
+    seen_weights, seen_labels, seen_qualified = [], [], []
+    real_loss, real_qualified = fedgen_module.fedgen_teacher_loss, fedgen_module.qualified_labels
+
+    def loss_spy(logits, labels, weights, weighting="per_sample"):
+        seen_weights.append(weights.detach().cpu().clone())
+        seen_labels.append(labels.cpu().clone())
+        return real_loss(logits, labels, weights, weighting)
+
+    def qualified_spy(counts, *args, **kwargs):
+        out = real_qualified(counts, *args, **kwargs)
+        seen_qualified.append(out.clone())
+        return out
+
+    monkeypatch.setattr(fedgen_module, "fedgen_teacher_loss", loss_spy)
+    monkeypatch.setattr(fedgen_module, "qualified_labels", qualified_spy)
+    cfg = small_config(**FEDGEN, **{"algorithm.generator_steps": 2, "algorithm.noise_dim": 8, "algorithm.hidden_dim": 16})
+    sim = Simulation(cfg, digits)
+    replies = _hand_made_replies(sim.server.model, raw)
+    sim.algorithm.refine(sim.server, sim.round_info(1), replies, [0, 1, 2])
+
+    assert len(seen_weights) == 2 and len(seen_qualified) == 1
+    for weights in seen_weights:
+        torch.testing.assert_close(weights.double(), torch.tensor(expected, dtype=torch.float64), rtol=0, atol=1e-7)
+    assert seen_qualified[0].tolist() == expected_qualified
+    # Every generated label is a qualified one, and the label processed once is among them.
+    sampled = set(torch.cat(seen_labels).tolist())
+    assert sampled == {y for y in range(10) if expected_qualified[y]}
+
+
+def test_server_generator_trains_in_train_mode_and_never_touches_the_bn_models_statistics(digits):
+    """Card §4 TrainGenerator: ``w.train()`` (its BatchNorm1d uses and updates batch statistics: after one step
+    the running stats are 0.9·old + 0.1·batch mean / unbiased variance of the first layer's pre-activations on
+    the step's (ε, y)); a generator left in eval mode keeps its running stats. Card §1 and ambiguity 5: nothing
+    is distilled into the global model on the server, so the refine step leaves every entry of a BatchNorm
+    model (resnet8) and its train/eval flags as they are, and the aggregate's BN statistics are the plain
+    n_k-weighted mean of the clients' (the full state dict is averaged)."""
+    from fedistill.algorithms.fedgen import draw_noise
+    from fedistill.engine.seeding import FEDGEN as TAG
+    from fedistill.engine.seeding import make_generator
+
+    cfg = small_config(**FEDGEN, **{"model.name": "resnet8", "model.kwargs": {"width": 8}, "algorithm.generator_steps": 1,
+                                    "algorithm.noise_dim": 8, "algorithm.hidden_dim": 16})  # fmt: skip
+    sim = Simulation(cfg, digits)
+    server, algorithm = sim.server, sim.algorithm
+    model = server.model
+    bn_names = [n for n, _ in model.named_buffers() if n.endswith(("running_mean", "running_var"))]
+    assert bn_names  # the global model has BatchNorm statistics
+    # Clients whose BN statistics differ from each other and from the initial ones.
+    raw = [[3, 1, 0, 2, 0, 0, 4, 0, 0, 1], [0, 2, 2, 0, 5, 0, 0, 0, 1, 0], [1, 0, 0, 0, 0, 3, 0, 2, 0, 0]]
+    replies = []
+    for k, reply in enumerate(_hand_made_replies(model, raw, seed=3)):
+        copy = build_model("resnet8", (1, 8, 8), 10, width=8)
+        set_flat(copy, reply["weights"])
+        with torch.no_grad():
+            for name, buf in copy.named_buffers():
+                if name.endswith("running_mean"):
+                    buf.uniform_(-1.0, 1.0)
+                elif name.endswith("running_var"):
+                    buf.uniform_(0.5, 2.0 + k)
+        replies.append(Message({**reply, "weights": get_flat(copy)}))
+
+    # The generator's BN running statistics after one train-mode step, written out.
+    p = algorithm.params
+    template = FeatureGenerator(p.noise_dim, 10, model.classifier.in_features, p.hidden_dim)
+    set_flat(template, server.state[GENERATOR_KEY])
+    rng = make_generator(server.seed, TAG, 1)
+    labels_q = torch.tensor([y for y in range(10) if any(row[y] for row in raw)])
+    y = labels_q[torch.randint(labels_q.numel(), (p.generator_batch_size,), generator=rng)]
+    eps = draw_noise(p.generator_batch_size, p.noise_dim, p.noise, rng)
+    with torch.no_grad():
+        pre = template.fc1(torch.cat([eps, torch.eye(10)[y]], dim=1))
+        expected_mean = 0.9 * template.bn.running_mean + 0.1 * pre.mean(dim=0)
+        expected_var = 0.9 * template.bn.running_var + 0.1 * pre.var(dim=0, unbiased=True)
+
+    seen = {}
+    refine = algorithm.refine
+
+    def watched(server_ctx, info, ordered, cids):
+        seen["before"] = get_flat(model).clone()
+        seen["modes"] = [m.training for m in model.modules()]
+        out = refine(server_ctx, info, ordered, cids)
+        seen["after"] = get_flat(model).clone()
+        seen["modes_after"] = [m.training for m in model.modules()]
+        return out
+
+    algorithm.refine = watched
+    algorithm.aggregate(server, sim.round_info(1), dict(enumerate(replies)))
+    del algorithm.refine
+
+    assert torch.equal(seen["before"], seen["after"]) and seen["modes"] == seen["modes_after"]
+    sizes = [int(r["num_samples"]) for r in replies]
+    clients = [build_model("resnet8", (1, 8, 8), 10, width=8) for _ in replies]
+    for client, reply in zip(clients, replies):
+        set_flat(client, reply["weights"])
+    buffers = dict(model.named_buffers())
+    for name in bn_names:
+        mean = sum(n * dict(c.named_buffers())[name] for n, c in zip(sizes, clients)) / sum(sizes)
+        torch.testing.assert_close(buffers[name], mean, rtol=1e-6, atol=1e-6)
+    trained = algorithm._generator.load(server)
+    torch.testing.assert_close(trained.bn.running_mean, expected_mean, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(trained.bn.running_var, expected_var, rtol=1e-5, atol=1e-6)
