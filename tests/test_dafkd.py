@@ -10,7 +10,7 @@ from conftest import assert_learns, assert_resume_is_exact, small_config
 
 from fedistill.algorithms.aggregate import aggregation_weights, weighted_mean
 from fedistill.algorithms.build import make_algorithm
-from fedistill.algorithms.dafkd import DISCRIMINATOR_KEY, GENERATOR_KEY
+from fedistill.algorithms.dafkd import DISCRIMINATOR_KEY, GENERATOR_KEY, DaFKDParams, output_map
 from fedistill.engine.simulation import Simulation
 from fedistill.errors import ConfigError
 from fedistill.losses import (
@@ -19,9 +19,10 @@ from fedistill.losses import (
     domain_aware_teacher,
     domain_log_importance,
     generator_adversarial_loss,
+    interpolation_gradient_penalty,
 )
 from fedistill.models import build_model
-from fedistill.models.flat import get_flat, num_flat
+from fedistill.models.flat import get_flat, num_flat, set_flat
 from fedistill.models.generators import build_generator
 
 DAFKD = {"algorithm.name": "dafkd"}
@@ -224,8 +225,7 @@ def test_privacy_variant_gives_the_discriminator_teacher(digits):
         assert "discriminator" not in private_replies[cid]
         assert private_replies[cid]["weighted_predictions"].shape == (64, 10)
     algorithm = plain.algorithm
-    generator = algorithm._generator.load(plain.server)
-    x = algorithm.distill_inputs(generator, algorithm.distill_noise_seed(plain.server.seed, 2), plain.server.device, "fp32")
+    x = algorithm.server_distill_inputs(plain.server, 2)
     expected = algorithm.teacher_target(plain.server, x, [plain_replies[c] for c in order])
     got = private.algorithm.teacher_target(private.server, x, [private_replies[c] for c in order])
     assert torch.allclose(got.exp(), expected.exp(), atol=1e-5)
@@ -252,13 +252,30 @@ def test_separate_discriminator_uploads_a_whole_network_and_starts_from_the_init
     assert all(r["discriminator"].numel() == size for r in replies.values())
 
 
-def test_code_style_fills_unset_switches_and_explicit_values_win():
-    algorithm = make_algorithm(small_config(**DAFKD, **{"algorithm.style": "code"}))
-    p = algorithm.params
+def test_profiles_fill_unset_switches_and_explicit_values_win():
+    """Card ambiguity 18: the code profile is the default; each profile sets its switches, explicit values win."""
+    p = make_algorithm(small_config(**DAFKD, **{"algorithm.profile": "code"})).params
     assert (p.ensemble_space, p.temperature, p.kd_reduction) == ("logits", 20.0, "mean")
-    assert (p.discriminator_rounds, p.generator_rounds, p.gan_epochs) == (3, 5, 5)
-    p = make_algorithm(small_config(**DAFKD, **{"algorithm.style": "code", "algorithm.temperature": 4.0})).params
-    assert p.temperature == 4.0
+    assert (p.discriminator_rounds, p.generator_rounds, p.gan_epochs, p.gradient_penalty) == (3, 5, 5, 0.3)
+    assert (p.generator_output, p.distill_bn_mode) == ("data", "train")
+    assert (p.client_optimizer, p.client_lr, p.client_weight_decay, p.distill_lr) == ("adam", 1e-4, 0.0, 1e-4)
+    assert (p.generator_lr, p.generator_weight_decay) == (1e-4, 1e-4)
+    # The default: the code's switches, the clients on the run's local optimiser.
+    default = make_algorithm(small_config(**DAFKD)).params
+    assert default.profile == "default"
+    for name in DaFKDParams.model_fields:
+        if name not in ("profile", "client_optimizer", "client_lr", "client_weight_decay"):
+            assert getattr(default, name) == getattr(p, name), name
+    assert (default.client_optimizer, default.client_lr, default.client_weight_decay) == ("sgd", None, None)
+    paper = make_algorithm(small_config(**DAFKD, **{"algorithm.profile": "paper"})).params
+    assert (paper.ensemble_space, paper.temperature, paper.kd_reduction) == ("probs", 1.0, "batchmean")
+    assert (paper.discriminator_rounds, paper.generator_rounds, paper.gan_epochs, paper.gradient_penalty) == (
+        None, None, None, 0.0,
+    )  # fmt: skip
+    assert (paper.generator_output, paper.distill_bn_mode, paper.client_optimizer) == ("tanh", "eval", "sgd")
+    assert (paper.client_lr, paper.distill_lr, paper.generator_lr) == (None, 1e-2, 1e-3)
+    p = make_algorithm(small_config(**DAFKD, **{"algorithm.profile": "code", "algorithm.temperature": 4.0})).params
+    assert p.temperature == 4.0 and p.ensemble_space == "logits"
 
 
 def test_dafkd_cannot_be_combined_either_way():
@@ -342,3 +359,184 @@ def test_joint_step_trains_the_shared_extractor_through_the_adversarial_loss_alo
         moved = any(not torch.equal(a, b) for a, b in zip(start_extractor, extractor))
         assert moved is discriminator_on
         assert all(torch.equal(a, b) for a, b in zip(start_head, worker.classifier.parameters()))
+
+
+# -- the code profile (card ambiguity 18) -----------------------------------------------------------------
+
+
+def test_gradient_penalty_written_out_per_sample_over_the_whole_image():
+    """The code's penalty λ·mean_b(‖∇_x̃ f(x̃_b)‖ − 1)² with the card's per-sample flattened norm. With
+    f(x) = σ(Σ W·x + c), ∇f = f(1 − f)·W, so the norm is f(1 − f)·‖W‖_F (a norm over the channel axis
+    only, the code's bug, or a missing square root or λ would not give this value)."""
+    gen = torch.Generator().manual_seed(3)
+    weight = torch.randn(2, 3, 3, generator=gen)
+    real = torch.randn(4, 2, 3, 3, generator=gen)
+    fake = torch.randn(4, 2, 3, 3, generator=gen)
+    mix = torch.tensor([0.0, 0.25, 0.6, 1.0])
+    w = weight.clone().requires_grad_(True)
+    gp = interpolation_gradient_penalty(lambda v: torch.sigmoid((v * w).sum(dim=(1, 2, 3)) + 0.2), real, fake, mix, 0.3)
+    expected = 0.0
+    frobenius = math.sqrt(float((weight**2).sum()))
+    for b in range(4):
+        x = float(mix[b]) * real[b] + (1 - float(mix[b])) * fake[b]
+        f = 1 / (1 + math.exp(-(float((x * weight).sum()) + 0.2)))
+        expected += (f * (1 - f) * frobenius - 1) ** 2
+    expected = 0.3 * expected / 4
+    assert math.isclose(float(gp.detach()), expected, rel_tol=1e-5)
+    gp.backward()  # the penalty trains the discriminator (create_graph)
+    assert w.grad is not None and float(w.grad.abs().sum()) > 0
+
+
+def test_generator_output_is_read_as_pixels_and_normalised_like_the_data(digits):
+    """Code profile point 1: tanh's −1, 0, 1 are the authors' pixels 0, ½, 1, normalised with the run's
+    mean/std ((p − 0.3)/0.4 for digits); ``generator_output: tanh`` feeds the raw output."""
+    scale, shift = output_map((0.3,), (0.4,), (1, 8, 8), torch.device("cpu"))
+    g = torch.tensor([-1.0, 0.0, 1.0]).view(1, 1, 1, 3)
+    assert torch.allclose(g * scale + shift, torch.tensor([(0 - 0.3) / 0.4, (0.5 - 0.3) / 0.4, (1 - 0.3) / 0.4]).view(1, 1, 1, 3))
+    for output, low, high in (("data", -0.75, 1.75), ("tanh", -1.0, 1.0)):
+        sim = Simulation(small_config(**DAFKD, **QUICK, **{"algorithm.generator_output": output}), digits)
+        x = sim.algorithm.server_distill_inputs(sim.server, 2)
+        assert float(x.min()) >= low - 1e-5 and float(x.max()) <= high + 1e-5
+        assert float(x.max()) > 0.5 * high  # the range is used, not just bounded
+    assert (sim.server.input_mean, sim.server.input_std) == ((0.3,), (0.4,))
+
+
+@pytest.mark.parametrize("mode", ["train", "eval"])
+def test_distillation_inputs_are_drawn_in_the_profiles_mode_from_the_round_start_generator(digits, mode):
+    """Code profile point 3: the code draws its distillation inputs with the generator in train mode, one
+    batch at a time (BatchNorm on each batch's statistics); ``distill_bn_mode: eval`` uses the running
+    statistics. Written out with a fresh DCGAN loaded with θ_g^t; the generator's buffers stay as they were."""
+    batch = 16
+    overrides = {"algorithm.distill_bn_mode": mode, "algorithm.distill_batch_size": batch}
+    sim = Simulation(small_config(**DAFKD, **QUICK, **overrides), digits)
+    sim.run_round(1)
+    state = sim.server.state[GENERATOR_KEY].clone()
+    x = sim.algorithm.server_distill_inputs(sim.server, 2)
+    assert torch.equal(sim.server.state[GENERATOR_KEY], state)
+    reference = build_generator("dcgan", (1, 8, 8), 10, noise_dim=16, ngf=16)
+    set_flat(reference, state)
+    noise = torch.randn(64, 16, generator=torch.Generator().manual_seed(sim.algorithm.distill_noise_seed(sim.server.seed, 2)))
+    with torch.no_grad():  # eval first: a train-mode forward moves the running statistics
+        reference.eval()
+        eval_out = reference(noise)
+        reference.train()
+        train_out = torch.cat([reference(z) for z in noise.split(batch)])
+    to_pixels = lambda g: ((g + 1) / 2 - 0.3) / 0.4  # noqa: E731
+    expected, other = (train_out, eval_out) if mode == "train" else (eval_out, train_out)
+    assert torch.allclose(x, to_pixels(expected), atol=1e-5)
+    assert not torch.allclose(x, to_pixels(other), atol=1e-2)  # the two modes differ on this generator
+    # The module the server drew them with keeps its running statistics.
+    assert torch.equal(get_flat(sim.algorithm._generator.load(sim.server)), state)
+
+
+def test_server_distillation_cuts_the_lr_on_a_plateau_as_written_out():
+    """Card §4: Adam(distill_lr), E_d epochs over fixed batches, lr × factor once the epoch's mean loss has
+    not improved for ``patience`` epochs (mode min, relative threshold 1e-4). A hand-written loop with the
+    rule spelled out gives the same student; without the cut it would not."""
+    from torch import nn
+
+    from fedistill.algorithms.dafkd import DaFKDParams, distil
+
+    gen = torch.Generator().manual_seed(5)
+    inputs = torch.randn(12, 4, generator=gen)
+    log_target = torch.log_softmax(3 * torch.randn(12, 3, generator=gen), dim=1)
+    p = DaFKDParams(
+        distill_epochs=8, distill_batch_size=4, distill_lr=0.5, plateau_factor=0.2, plateau_patience=0,
+        ensemble_space="probs", temperature=1.0, kd_reduction="batchmean",
+    )  # fmt: skip
+    torch.manual_seed(0)
+    student = nn.Linear(4, 3)
+    by_hand = nn.Linear(4, 3)
+    by_hand.load_state_dict(student.state_dict())
+    distil(student, inputs, log_target, p, "fp32")
+
+    optimizer = torch.optim.Adam(by_hand.parameters(), lr=0.5)
+    best, bad, cuts = float("inf"), 0, 0
+    for _ in range(8):
+        total = 0.0
+        for start in range(0, 12, 4):
+            log_s = torch.log_softmax(by_hand(inputs[start : start + 4]), dim=1)
+            q = log_target[start : start + 4].exp()
+            loss = (q * (log_target[start : start + 4] - log_s)).sum() / 4
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            total += float(loss.detach()) * 4
+        mean = total / 12
+        if mean < best * (1 - 1e-4):
+            best, bad = mean, 0
+        else:
+            bad += 1
+        if bad > 0:  # patience 0
+            for group in optimizer.param_groups:
+                group["lr"] *= 0.2
+            bad, cuts = 0, cuts + 1
+    assert cuts >= 1  # the written-out run does hit a plateau, so the schedule matters here
+    for a, b in zip(student.parameters(), by_hand.parameters()):
+        assert torch.allclose(a, b, atol=1e-5)
+
+
+def test_client_lr_follows_the_runs_decay_and_weight_decay_the_profile(digits, monkeypatch):
+    """Code profile point 5: the joint step is Adam at client_lr (1e-4) × the run's lr decay, weight decay 0."""
+    import fedistill.algorithms.dafkd as dafkd_module
+
+    made = []
+    real_adam = torch.optim.Adam
+
+    def spy(params, **kwargs):
+        made.append(kwargs)
+        return real_adam(params, **kwargs)
+
+    monkeypatch.setattr(dafkd_module.torch.optim, "Adam", spy)
+    overrides = {"algorithm.profile": "code", "local.lr_decay": 0.5, "local.weight_decay": 1e-3}
+    sim = Simulation(small_config(**DAFKD, **QUICK, **overrides), digits)
+    sim.run_round(1)
+    made.clear()
+    _round(sim, 2)
+    joint = made[0]  # each client makes its joint optimiser first, then the generator's
+    assert math.isclose(joint["lr"], 1e-4 * 0.5) and joint["weight_decay"] == 0.0
+    assert math.isclose(made[1]["lr"], 1e-4) and made[1]["weight_decay"] == 1e-4 and made[1]["amsgrad"]
+
+
+def test_bn_teachers_score_batch_by_batch_in_train_mode_and_a_frozen_student_keeps_its_statistics(digits):
+    """On a BatchNorm model (ResNet-11): in the code profile each teacher and its discriminator score the
+    distillation inputs in train mode, one batch at a time; Eq. 7-8 written out (α̂ = f_k / Σ_j f_j, logits
+    mixed, softmax at T = 20). The student distils in train mode, moving its running statistics, unless
+    ``freeze_student_bn_stats`` keeps the real-data ones of the average."""
+    from fedistill.algorithms.dafkd import named_flat
+    from fedistill.data.dataset import resized
+
+    small = resized(digits, 16)
+    base = {**DAFKD, **QUICK, "dataset.resize": 16, "model.name": "resnet11", "model.kwargs": {"width": 4},
+            "algorithm.distill_batch_size": 16, "algorithm.distill_epochs": 1}  # fmt: skip
+    results = {}
+    for freeze in (False, True):
+        sim = Simulation(small_config(**base, **{"algorithm.freeze_student_bn_stats": freeze}), small)
+        sim.run_round(1)
+        info, replies = _round(sim, 2)
+        ordered = [replies[c] for c in sorted(replies)]
+        x = sim.algorithm.server_distill_inputs(sim.server, 2)
+        teacher = build_model("resnet11", (1, 16, 16), 10, width=4)
+        head = torch.nn.Linear(teacher.feature_dim, 1)
+        logits, scores = [], []
+        with torch.no_grad():
+            for reply in ordered:
+                set_flat(teacher, reply["weights"])
+                set_flat(head, reply["discriminator"])
+                teacher.train()
+                features = [teacher.extract(xb) for xb in x.split(16)]
+                logits.append(torch.cat([teacher.classify(f) for f in features]))
+                scores.append(torch.sigmoid(torch.cat([head(f).squeeze(1) for f in features])))
+        f = torch.stack(scores)
+        mixed = sum((f[k] / f.sum(dim=0)).unsqueeze(1) * logits[k] for k in range(len(ordered)))
+        target = sim.algorithm.teacher_target(sim.server, x, ordered)
+        assert torch.allclose(target.exp(), torch.softmax(mixed / 20, dim=1), atol=1e-5)
+        average = weighted_mean([r["weights"] for r in ordered], aggregation_weights([int(r["num_samples"]) for r in ordered]))
+        sim.algorithm.aggregate(sim.server, info, replies)
+        results[freeze] = (named_flat(sim.server.model, get_flat(sim.server.model)), named_flat(sim.server.model, average))
+    for freeze, (tuned, average) in results.items():
+        stats = [n for n in tuned if "running_" in n]
+        assert stats
+        kept = all(torch.equal(tuned[n], average[n]) for n in stats)
+        assert kept is freeze
+        assert any(not torch.equal(tuned[n], average[n]) for n in tuned if "running_" not in n)  # weights moved

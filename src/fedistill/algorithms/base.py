@@ -134,6 +134,10 @@ class ServerContext:
     data_dir: str | None = None  # the run's dataset.data_dir: where a server-side dataset (FedDF's proxy set) is looked up
     data_verify: bool = True  # the run's dataset.verify: check that dataset's md5s
     data_resize: int | None = None  # the run's dataset.resize: a server-side dataset gets the same resize
+    # The run's per-channel normalisation (on the [0, 1] pixel scale): a server-side generator that emits pixels
+    # maps them into the models' input space with it (DaFKD's code profile). Empty: unknown, data taken as [-1, 1].
+    input_mean: tuple[float, ...] = ()
+    input_std: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -310,6 +310,8 @@ class ServerRuntime:
             data_dir=cfg.dataset.data_dir,
             data_verify=cfg.dataset.verify,
             data_resize=cfg.dataset.resize,
+            input_mean=tuple(dataset.mean),
+            input_std=tuple(dataset.std),
         )
         self.state = RunState()
         self._store_ready = False
