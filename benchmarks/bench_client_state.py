@@ -21,7 +21,7 @@ import time
 def one(store: str, clients: int) -> dict:
     from fedistill.config import build_config
     from fedistill.data.sources import load_dataset
-    from fedistill.engine.simulation import Simulation
+    from fedistill.simulation import Simulation
 
     per_round = 20
     cfg = build_config(

@@ -25,7 +25,7 @@ def one(k: int, data_dir: str, rounds: int) -> dict:
     import torch
 
     from fedistill.config import build_config
-    from fedistill.engine.simulation import Simulation
+    from fedistill.simulation import Simulation
     from fedistill.runner import load_dataset_for
 
     cfg = build_config(

@@ -33,7 +33,7 @@ from torch.utils.data import Dataset as TorchDataset
 from fedistill.config import build_config
 from fedistill.data.sources import load_dataset
 from fedistill.engine.seeding import CLIENT, INIT, make_generator, sample_clients
-from fedistill.engine.simulation import Simulation, build_federation, build_model_for
+from fedistill.simulation import Simulation, build_federation, build_model_for
 
 PROTOCOL = {
     "rounds": 20,

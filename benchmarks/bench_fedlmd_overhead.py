@@ -32,7 +32,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from fedistill.config import build_config, read_yaml
-    from fedistill.engine.simulation import Simulation
+    from fedistill.simulation import Simulation
     from fedistill.runner import load_dataset_for
 
     base = read_yaml("configs/mnist_fedlmd_protocol_fedavg.yaml")

@@ -31,7 +31,7 @@ from fedistill.config import build_config
 from fedistill.data.dataset import Dataset
 from fedistill.data.sources import load_dataset
 from fedistill.engine.seeding import sample_clients
-from fedistill.engine.simulation import Simulation, build_federation
+from fedistill.simulation import Simulation, build_federation
 
 
 def stand_in_cifar10(seed: int = 0) -> Dataset:

@@ -83,7 +83,7 @@ def _dir_bytes(path: Path) -> tuple[int, int]:
 def run_one(setting: dict) -> dict:
     """One setting in this process: its start-up phases, every round, peak memory and disk."""
     from fedistill.config import build_config
-    from fedistill.engine.simulation import Simulation, build_federation
+    from fedistill.simulation import Simulation, build_federation
     from fedistill.runner import load_dataset_for
 
     imported = time.perf_counter()

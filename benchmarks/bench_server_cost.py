@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from fedistill.data.sources import load_dataset
-from fedistill.engine.simulation import Simulation
+from fedistill.simulation import Simulation
 from fedistill.reproduce import load_preset, run_config
 
 HERE = Path(__file__).resolve().parent

@@ -34,7 +34,7 @@ from bench_fedavg_mnist import PROTOCOL
 from fedistill.config import build_config
 from fedistill.data.pipeline import TensorPipeline
 from fedistill.data.sources import load_dataset
-from fedistill.engine.simulation import ClientRuntime, Simulation, build_federation
+from fedistill.simulation import ClientRuntime, Simulation, build_federation
 
 PHASES = ("data", "forward", "loss + backward", "optimizer", "rest of step", "client overhead", "server", "evaluation")
 

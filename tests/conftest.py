@@ -89,7 +89,7 @@ def make_config():
 # -- helpers shared by the per-method test files ------------------------------------------------
 def global_vectors(cfg, dataset, rounds):
     """The global model's flat vector after each of the first ``rounds`` rounds."""
-    from fedistill.engine.simulation import Simulation
+    from fedistill.simulation import Simulation
     from fedistill.models.flat import get_flat
 
     sim = Simulation(cfg, dataset)
@@ -108,7 +108,7 @@ def assert_same_rounds(cfg_a, cfg_b, dataset, rounds=2):
 
 def assert_learns(dataset, algorithm, threshold=70.0, **overrides):
     """15 rounds on 10 label-skewed digit clients must end far above chance (10%)."""
-    from fedistill.engine.simulation import Simulation
+    from fedistill.simulation import Simulation
 
     settings = {"algorithm.name": algorithm, "partition.num_clients": 10, "partition.alpha": 0.3, "local.epochs": 2}
     cfg = small_config(rounds=15, clients_per_round=5, **{**settings, **overrides})
@@ -119,7 +119,7 @@ def assert_learns(dataset, algorithm, threshold=70.0, **overrides):
 
 def assert_resume_is_exact(dataset, tmp_path, algorithm, server_keys=(), client_keys=(), **overrides):
     """Two rounds, a checkpoint, two more rounds == four uninterrupted rounds, states included."""
-    from fedistill.engine.simulation import Simulation
+    from fedistill.simulation import Simulation
     from fedistill.models.flat import get_flat
 
     def cfg(rounds):

@@ -14,7 +14,7 @@ import torch
 from conftest import small_config
 
 from fedistill.algorithms.base import Message, RoundInfo, ServerContext
-from fedistill.engine.simulation import Simulation, make_algorithm
+from fedistill.simulation import Simulation, make_algorithm
 from fedistill.models import build_model
 from fedistill.models.flat import get_flat, trainable_mask
 

@@ -71,7 +71,7 @@ def test_two_loss_terms_are_summed(make_config, digits, registered):
 
 
 def test_combined_messages_carry_every_parts_fields_and_are_counted(make_config, digits):
-    from fedistill.engine.simulation import Simulation
+    from fedistill.simulation import Simulation
 
     # FedDyn's adaptive α_k adds a scalar to the broadcast (FedNova, which adds one to the reply, may not be
     # combined with FedCurv's quadratic term: compose.py).

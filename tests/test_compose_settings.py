@@ -15,7 +15,7 @@ from conftest import assert_same_rounds, global_vectors, small_config
 
 from fedistill.algorithms.base import Message
 from fedistill.algorithms.fedavg import FedAvg, FedAvgParams
-from fedistill.engine.simulation import make_algorithm
+from fedistill.simulation import make_algorithm
 from fedistill.errors import ConfigError
 from fedistill.registry import ALGORITHMS
 

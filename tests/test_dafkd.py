@@ -11,7 +11,7 @@ from conftest import assert_learns, assert_resume_is_exact, small_config
 from fedistill.algorithms.aggregate import aggregation_weights, weighted_mean
 from fedistill.algorithms.build import make_algorithm
 from fedistill.algorithms.dafkd import DISCRIMINATOR_KEY, GENERATOR_KEY, DaFKDParams, output_map
-from fedistill.engine.simulation import Simulation
+from fedistill.simulation import Simulation
 from fedistill.errors import ConfigError
 from fedistill.losses import (
     discriminator_loss,

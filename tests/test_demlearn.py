@@ -29,7 +29,7 @@ from fedistill.algorithms.demlearn import (
 )
 from fedistill.algorithms.local import local_sgd
 from fedistill.errors import ConfigError
-from fedistill.engine.simulation import Simulation
+from fedistill.simulation import Simulation
 from fedistill.models.flat import get_flat, set_flat
 
 # -- hand-made clients ------------------------------------------------------------------------------------------

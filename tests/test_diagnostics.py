@@ -9,7 +9,7 @@ import math
 import numpy as np
 import torch
 
-from fedistill.engine.simulation import Simulation, kl_from_uniform
+from fedistill.simulation import Simulation, kl_from_uniform
 from fedistill.report.plots import class_distribution_matrices
 
 

@@ -7,7 +7,7 @@ import torch
 from conftest import assert_learns, assert_resume_is_exact
 
 from fedistill.engine.seeding import derive_seed, sample_clients
-from fedistill.engine.simulation import Simulation, summarise
+from fedistill.simulation import Simulation, summarise
 from fedistill.errors import ConfigError, TrainingDiverged
 from fedistill.models.flat import get_flat
 

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from fedistill.algorithms.base import ClientContext, Message, RoundInfo
 from fedistill.config import build_config
 from fedistill.engine.architectures import client_architectures
-from fedistill.engine.simulation import Simulation, summarise
+from fedistill.simulation import Simulation, summarise
 from fedistill.errors import ConfigError
 from fedistill.models.flat import get_flat, set_flat
 

@@ -12,7 +12,7 @@ from conftest import assert_same_rounds
 from fedistill.algorithms.aggregate import ServerMomentum, aggregation_weights, weighted_mean
 from fedistill.algorithms.base import Message
 from fedistill.engine.seeding import INIT
-from fedistill.engine.simulation import Simulation, build_model_for
+from fedistill.simulation import Simulation, build_model_for
 from fedistill.models.flat import get_flat, num_flat, set_flat
 
 

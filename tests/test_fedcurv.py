@@ -8,7 +8,7 @@ from conftest import assert_learns, assert_resume_is_exact, assert_same_rounds, 
 
 from fedistill.algorithms.fedcurv import fisher_diagonal
 from fedistill.models.flat import flat_parameters
-from fedistill.engine.simulation import Simulation
+from fedistill.simulation import Simulation
 from fedistill.losses import curvature_penalty
 
 

@@ -10,7 +10,7 @@ from conftest import assert_learns, assert_resume_is_exact, assert_same_rounds, 
 
 from fedistill.algorithms.base import Message
 from fedistill.algorithms.feddf import GENERATOR_KEY
-from fedistill.engine.simulation import Simulation
+from fedistill.simulation import Simulation
 from fedistill.errors import ConfigError
 from fedistill.losses import ensemble_distillation, ensemble_target
 from fedistill.models import build_model

@@ -8,7 +8,7 @@ import pytest
 import torch
 from conftest import assert_learns, assert_resume_is_exact
 
-from fedistill.engine.simulation import Simulation
+from fedistill.simulation import Simulation
 from fedistill.models.flat import get_flat
 
 

@@ -11,7 +11,7 @@ from torch import nn
 
 from fedistill.algorithms.fedftg import GENERATOR_KEY, FedFTGParams, TeacherEnsemble, server_fine_tune
 from fedistill.engine.seeding import FEDFTG, make_generator
-from fedistill.engine.simulation import Simulation
+from fedistill.simulation import Simulation
 from fedistill.errors import ConfigError
 from fedistill.losses import (
     class_ensemble_weights,

@@ -10,7 +10,7 @@ from conftest import assert_learns, assert_resume_is_exact, assert_same_rounds, 
 
 from fedistill.algorithms.base import Message
 from fedistill.algorithms.fedgen import ADAM_KEYS, GENERATOR_KEY
-from fedistill.engine.simulation import Simulation
+from fedistill.simulation import Simulation
 from fedistill.losses import class_ensemble_weights, diversity_loss, fedgen_teacher_loss, qualified_labels
 from fedistill.models import build_model
 from fedistill.models.flat import get_flat, num_flat, set_flat

@@ -9,7 +9,7 @@ from conftest import assert_learns, assert_same_rounds, global_vectors
 
 from fedistill.algorithms.aggregate import ServerMomentum
 from fedistill.algorithms.fedlmd import FedLMD
-from fedistill.engine.simulation import Simulation
+from fedistill.simulation import Simulation
 from fedistill.losses import (
     knowledge_distillation,
     label_masking_distillation,

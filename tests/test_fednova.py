@@ -11,7 +11,7 @@ from conftest import assert_learns, assert_resume_is_exact
 from fedistill.algorithms.base import Message
 from fedistill.algorithms.fednova import FedNova, nova_normaliser  # = local.effective_local_steps
 from fedistill.config import LocalConfig
-from fedistill.engine.simulation import Simulation
+from fedistill.simulation import Simulation
 from fedistill.models.flat import get_flat
 
 
@@ -133,7 +133,7 @@ def test_ccvr_quirk_round_one_is_plain_fednova_and_stores_d_k(make_config, digit
 def test_ccvr_quirk_subtracts_the_previous_d_from_every_gradient(make_config, digits):
     """A returning client's local training equals SGD on (∇CE − d_k^prev), written out independently here."""
     from fedistill.engine.seeding import INIT
-    from fedistill.engine.simulation import build_model_for
+    from fedistill.simulation import build_model_for
     from fedistill.models.flat import set_flat
 
     cfg = _quirk_config(make_config)

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from conftest import assert_learns, assert_same_rounds, global_vectors
 
 from fedistill.algorithms.base import Message
-from fedistill.engine.simulation import Simulation
+from fedistill.simulation import Simulation
 from fedistill.losses import proximal_term
 from fedistill.models.flat import get_flat
 

@@ -27,7 +27,7 @@ from flwr.common.serde import recorddict_from_proto, recorddict_to_proto  # noqa
 from fedistill.algorithms.base import Message, RoundInfo  # noqa: E402
 from fedistill.config import build_config  # noqa: E402
 from fedistill.engine.seeding import INIT  # noqa: E402
-from fedistill.engine.simulation import Simulation, build_model_for  # noqa: E402
+from fedistill.simulation import Simulation, build_model_for  # noqa: E402
 from fedistill.errors import ConfigError  # noqa: E402
 from fedistill.models.flat import get_flat  # noqa: E402
 from fedistill.runner import load_dataset_for  # noqa: E402
@@ -671,7 +671,7 @@ def test_sites_with_their_own_files_measure_the_global_models_personal_accuracy_
     (the global model on each client's test split) is measured by the clients in the evaluate phase."""
     from test_datasets import make_mnist_dir
 
-    from fedistill.engine.simulation import ClientRuntime
+    from fedistill.simulation import ClientRuntime
 
     make_mnist_dir(tmp_path / "server" / "mnist", n_train=30, n_test=10, seed=1)
     nodes = {}

@@ -27,7 +27,7 @@ pytest.importorskip("flwr", reason="flwr is not installed: pip install 'fedistil
 
 from flwr.app import ConfigRecord, Context, Message as FlowerMessage, RecordDict  # noqa: E402
 
-from fedistill.engine.simulation import ServerRuntime, build_federation, round_info  # noqa: E402
+from fedistill.simulation import ServerRuntime, build_federation, round_info  # noqa: E402
 from fedistill.flower import app as flower_app  # noqa: E402
 from fedistill.flower import supernode as fast_supernode  # noqa: E402
 from fedistill.flower import worker as flower_worker  # noqa: E402
@@ -308,7 +308,7 @@ def test_real_federation_with_long_running_clientapps_matches_the_simulation(tmp
     """SuperNodes with --isolation process and fast polling, one ClientApp worker each: the run equals the
     simulation bit for bit, and every worker handled all its messages with one load of its data."""
     from fedistill.engine.seeding import INIT
-    from fedistill.engine.simulation import Simulation, build_model_for
+    from fedistill.simulation import Simulation, build_model_for
     from fedistill.flower.local import LocalFederation
     from fedistill.flower.project import write_app
     from fedistill.models.flat import get_flat
@@ -348,3 +348,17 @@ def test_real_federation_with_long_running_clientapps_matches_the_simulation(tmp
 
 def _logs(fed) -> str:
     return "\n".join(f"== {p.name}\n{p.read_text()[-3000:]}" for p in sorted(fed.workdir.glob("*.log")))
+
+
+def test_the_worker_refuses_a_flower_release_it_was_not_written_for(monkeypatch, capsys):
+    """The long-running ClientApp drives Flower's private modules: on another flwr it exits 2 with the fix, before
+    connecting anywhere (the per-message ClientApp, public API only, is the path for other releases)."""
+    import importlib.metadata
+
+    assert flower_worker.flwr_version_error() is None  # the pinned release (flwr==1.41.0) is accepted
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "1.42.0" if name == "flwr" else "0")
+    with pytest.raises(SystemExit) as exit_info:
+        flower_worker.main(["--insecure"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "flwr 1.42.0" in err and "flwr==1.41.0" in err and "--isolation process" in err

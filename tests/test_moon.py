@@ -8,7 +8,7 @@ import pytest
 import torch
 from conftest import assert_learns, assert_resume_is_exact, assert_same_rounds, global_vectors
 
-from fedistill.engine.simulation import Simulation
+from fedistill.simulation import Simulation
 from fedistill.losses import model_contrastive
 from fedistill.models.flat import get_flat
 

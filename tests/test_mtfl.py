@@ -8,7 +8,7 @@ import torch
 
 from conftest import assert_resume_is_exact, assert_same_rounds, small_config
 from fedistill.config import build_config
-from fedistill.engine.simulation import Simulation
+from fedistill.simulation import Simulation
 from fedistill.errors import ConfigError
 from fedistill.models.flat import get_flat, num_flat
 

@@ -16,7 +16,7 @@ from fedistill.algorithms.pfedme import PFedMe, ServerMixing
 from fedistill.config import build_config
 from fedistill.data.dataset import Dataset
 from fedistill.data.pipeline import TensorPipeline
-from fedistill.engine.simulation import Simulation
+from fedistill.simulation import Simulation
 from fedistill.errors import ConfigError
 from fedistill.models.flat import get_flat, set_flat, trainable_mask
 

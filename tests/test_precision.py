@@ -10,7 +10,7 @@ import torch
 from conftest import small_config
 
 from fedistill.algorithms.local import evaluate
-from fedistill.engine.simulation import Simulation
+from fedistill.simulation import Simulation
 from fedistill.models.flat import get_flat
 
 

@@ -304,7 +304,7 @@ def test_unknown_keys_suggest_the_closest_valid_key(capsys):
 def _nan_evaluation(monkeypatch, after_round: int):
     """From evaluation ``after_round`` on, the global model's logits are non-finite while its weights stay
     finite (what broken BatchNorm statistics do): a forward hook turns the output into NaN."""
-    import fedistill.engine.simulation as simulation
+    import fedistill.engine.server as simulation
 
     real = simulation.evaluate
     calls = {"n": 0}

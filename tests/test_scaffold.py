@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from conftest import assert_learns, assert_resume_is_exact
 
 from fedistill.models.flat import flat_parameters
-from fedistill.engine.simulation import Simulation
+from fedistill.simulation import Simulation
 from fedistill.models.flat import get_flat
 
 

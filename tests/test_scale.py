@@ -13,7 +13,7 @@ from fedistill.config import build_config
 from fedistill.data.partition import class_counts, client_dirichlet, make_partition
 from fedistill.data.sources import load_dataset
 from fedistill.data.synthetic import SyntheticClients, SyntheticSpec, load_synthetic
-from fedistill.engine.simulation import Simulation, build_federation
+from fedistill.simulation import Simulation, build_federation
 from fedistill.engine.state_store import DiskStateStore, MemoryStateStore, make_state_store
 from fedistill.errors import ConfigError, PartitionError
 from fedistill.models.flat import get_flat

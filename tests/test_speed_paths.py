@@ -12,7 +12,7 @@ from fedistill.algorithms.local import evaluate
 from conftest import toy_dataset
 from fedistill.data.pipeline import AugmentSpec, TensorPipeline
 from fedistill.engine.executors import state_to
-from fedistill.engine.simulation import Simulation
+from fedistill.simulation import Simulation
 
 
 def _dataset(n=53, c=1, h=12, w=12):
@@ -101,7 +101,7 @@ def test_resume_refuses_a_different_partition_of_the_same_configuration(make_con
     import pytest
 
     from fedistill.engine.checkpoint import load_checkpoint, save_checkpoint
-    from fedistill.engine.simulation import Federation, build_federation
+    from fedistill.simulation import Federation, build_federation
     from fedistill.errors import ConfigError
 
     cfg = make_config(rounds=2)

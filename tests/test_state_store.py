@@ -6,7 +6,7 @@ import pytest
 import torch
 from conftest import assert_same_rounds, small_config
 
-from fedistill.engine.simulation import Simulation
+from fedistill.simulation import Simulation
 from fedistill.engine.state_store import DiskStateStore, MemoryStateStore
 from fedistill.errors import ConfigError
 from fedistill.models.flat import get_flat

@@ -82,7 +82,7 @@ def _overrides_from_args(args: argparse.Namespace) -> list[tuple[str, Any]]:
 def cmd_run(args: argparse.Namespace) -> int:
     from .config import build_config, read_yaml
     from .report.rundir import RunDirectory
-    from .reproduce import find_config
+    from .config import find_config
     from .runner import make_console, refresh_seed_group, run_experiment
 
     overrides = dict(_overrides_from_args(args))
@@ -132,7 +132,7 @@ def _run_seeds(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
     """``run --seeds``: one run directory per seed in a group directory (runner.run_seed_group). With
     ``--print-config`` the first seed's config.yaml is printed, after a comment line naming the seeds."""
     from .config import read_yaml
-    from .reproduce import find_config
+    from .config import find_config
     from .runner import run_seed_group, seed_group_configs
 
     if args.resume:

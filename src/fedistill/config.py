@@ -3,19 +3,22 @@
 A run is configured by defaults < a YAML file (``--config``) < CLI flags < ``--set key=value`` overrides.
 Every value is checked here, before any work starts; a bad value raises :class:`ConfigError` with one
 line naming the key and what is allowed (the CLI turns it into exit code 2).
+
+Length (over the ~500-line guide of ARCHITECTURE.md): the whole configuration schema (one pydantic model per
+section) and its loading; split, the schema a user reads would be scattered.
 """
 
 from __future__ import annotations
 
 import copy
-import difflib
+from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from .errors import ConfigError
+from .errors import ConfigError, closest
 
 # Paper defaults per dataset: the model of the main experiments and the training augmentation
 # (experiments-fedlmd.md §1 for MNIST/CIFAR/CINIC; DaFKD uses no augmentation for SVHN; 8x8 digits are
@@ -366,12 +369,6 @@ def _section_fields(loc: tuple[Any, ...]) -> list[str]:
     return list(getattr(model, "model_fields", {}))
 
 
-def closest(key: str, valid: Any) -> str:
-    """`` (did you mean 'x'?)`` for a mistyped key, or ``""``."""
-    match = difflib.get_close_matches(str(key), [str(v) for v in valid], n=1, cutoff=0.6)
-    return f" (did you mean {match[0]!r}?)" if match else ""
-
-
 def _format_validation_error(err: ValidationError) -> str:
     first = err.errors()[0]
     loc = ".".join(str(p) for p in first["loc"])
@@ -490,6 +487,8 @@ def validate_names(cfg: Config) -> None:
     from .data.pipeline import AugmentSpec
     from .registry import ALGORITHMS, DATASETS, MODELS, PARTITIONS
 
+    from .algorithms.build import algorithm_params, part_params
+
     algo_cls = ALGORITHMS.get(cfg.algorithm.name, key="algorithm.name")
     algorithm_params(algo_cls, cfg)
     for name, params in cfg.algorithm.plus.items():
@@ -535,22 +534,38 @@ def resolved_config(saved: dict[str, Any]) -> dict[str, Any]:
         return saved
 
 
-def algorithm_params(algo_cls: Any, cfg: Config) -> Any:
-    return part_params(algo_cls, cfg.algorithm.name, cfg.algorithm.params_dict(), prefix="algorithm")
+def bundled_configs_dir() -> Path | None:
+    """The ``configs/`` that ships with fedistill, or None if this installation has none.
+
+    In an installed wheel it is package data, ``fedistill/configs/`` (pyproject.toml maps the repository's
+    ``configs/`` there); from the source tree (an editable install, or ``src`` on ``sys.path``) it is the
+    checkout's ``configs/`` beside ``src/``.
+    """
+    packaged = resources.files(__package__) / "configs"
+    candidates = [Path(str(packaged)), Path(__file__).resolve().parents[2] / "configs"]
+    return next((c for c in candidates if c.is_dir()), None)
 
 
-def part_params(algo_cls: Any, name: str, params: dict[str, Any], prefix: str | None = None) -> Any:
-    """``params`` validated by ``algo_cls.Params``; errors name the config key (``algorithm.plus.NAME.KEY``)."""
-    prefix = prefix or f"algorithm.plus.{name}"
-    if not isinstance(params, dict):
-        raise ConfigError(f"{prefix}: expected a mapping of parameters, got {params!r}")
-    try:
-        return algo_cls.Params.model_validate(params)
-    except ValidationError as err:
-        first = err.errors()[0]
-        key = ".".join(str(p) for p in first["loc"])
-        if first["type"] == "extra_forbidden":
-            allowed = ", ".join(algo_cls.Params.model_fields) or "none"
-            hint = closest(first["loc"][-1], algo_cls.Params.model_fields)
-            raise ConfigError(f"{prefix}.{key}: not a parameter of {name}{hint} (accepted: {allowed})") from None
-        raise ConfigError(f"{prefix}.{key}: {first['msg']} (got {first.get('input')!r})") from None
+def bundled_configs() -> dict[str, Path]:
+    """The experiment configurations that ship with fedistill (``configs/*.yaml``), by name."""
+    bundled = bundled_configs_dir()
+    return {p.stem: p for p in sorted(bundled.glob("*.yaml"))} if bundled is not None else {}
+
+
+def find_config(path_or_name: str) -> str:
+    """``run --config``'s file: the path as given where it exists, else the shipped configuration it names.
+
+    ``configs/digits_fedavg.yaml`` (the README's spelling), ``digits_fedavg.yaml`` and ``digits_fedavg``
+    all name the shipped ``digits_fedavg``, so the README's commands work from any directory with an
+    installed package. Anything else is returned unchanged, for the caller's "does not exist" error.
+    """
+    path = Path(path_or_name)
+    if path.is_file():
+        return path_or_name
+    parts = path.parts[1:] if path.parts[:1] == ("configs",) else path.parts
+    if len(parts) == 1:
+        name = parts[0][: -len(".yaml")] if parts[0].endswith(".yaml") else parts[0]
+        shipped = bundled_configs().get(name)
+        if shipped is not None:
+            return str(shipped)
+    return path_or_name

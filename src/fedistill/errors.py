@@ -6,6 +6,11 @@ fix it. The CLI prints the message on one line and exits with code 2; it never s
 these.
 """
 
+from __future__ import annotations
+
+import difflib
+from typing import Iterable
+
 
 class FedistillError(Exception):
     """Base class of errors caused by user input rather than by a bug."""
@@ -33,3 +38,9 @@ class RunInterrupted(KeyboardInterrupt):
     def __init__(self, hint: str) -> None:
         super().__init__(hint)
         self.hint = hint
+
+
+def closest(key: str, valid: Iterable[object]) -> str:
+    """`` (did you mean 'x'?)`` for a mistyped key, or ``""``."""
+    match = difflib.get_close_matches(str(key), [str(v) for v in valid], n=1, cutoff=0.6)
+    return f" (did you mean {match[0]!r}?)" if match else ""

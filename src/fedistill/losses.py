@@ -2,6 +2,9 @@
 
 Algorithms compose them into the local objective through ``local_sgd(extra_loss=...)``; the invariants
 listed in the cards are tested in ``tests/test_losses.py``.
+
+Length (over the ~500-line guide of ARCHITECTURE.md): the losses are pure functions (DESIGN.md) with their
+invariants tested against this one module; sections follow the methods.
 """
 
 from __future__ import annotations

@@ -22,14 +22,13 @@ import io
 import json
 import statistics
 from dataclasses import dataclass
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from .config import build_config
+from .config import bundled_configs, bundled_configs_dir, build_config, find_config  # noqa: F401  (re-exported)
 from .errors import ConfigError
 
 PRESET_DIR = "configs/reproduce"
@@ -68,47 +67,10 @@ class Preset(_Strict):
     notes: list[str] = Field(default_factory=list)
 
 
-def bundled_configs_dir() -> Path | None:
-    """The ``configs/`` that ships with fedistill, or None if this installation has none.
-
-    In an installed wheel it is package data, ``fedistill/configs/`` (pyproject.toml maps the repository's
-    ``configs/`` there); from the source tree (an editable install, or ``src`` on ``sys.path``) it is the
-    checkout's ``configs/`` beside ``src/``.
-    """
-    packaged = resources.files(__package__) / "configs"
-    candidates = [Path(str(packaged)), Path(__file__).resolve().parents[2] / "configs"]
-    return next((c for c in candidates if c.is_dir()), None)
-
-
 def preset_search_path() -> list[Path]:
     """Where preset names are looked up: ./configs/reproduce, then the presets that ship with fedistill."""
     bundled = bundled_configs_dir()
     return [Path.cwd() / PRESET_DIR] + ([bundled / "reproduce"] if bundled is not None else [])
-
-
-def bundled_configs() -> dict[str, Path]:
-    """The experiment configurations that ship with fedistill (``configs/*.yaml``), by name."""
-    bundled = bundled_configs_dir()
-    return {p.stem: p for p in sorted(bundled.glob("*.yaml"))} if bundled is not None else {}
-
-
-def find_config(path_or_name: str) -> str:
-    """``run --config``'s file: the path as given where it exists, else the shipped configuration it names.
-
-    ``configs/digits_fedavg.yaml`` (the README's spelling), ``digits_fedavg.yaml`` and ``digits_fedavg``
-    all name the shipped ``digits_fedavg``, so the README's commands work from any directory with an
-    installed package. Anything else is returned unchanged, for the caller's "does not exist" error.
-    """
-    path = Path(path_or_name)
-    if path.is_file():
-        return path_or_name
-    parts = path.parts[1:] if path.parts[:1] == ("configs",) else path.parts
-    if len(parts) == 1:
-        name = parts[0][: -len(".yaml")] if parts[0].endswith(".yaml") else parts[0]
-        shipped = bundled_configs().get(name)
-        if shipped is not None:
-            return str(shipped)
-    return path_or_name
 
 
 def config_summary(path: Path) -> str:

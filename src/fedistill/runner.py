@@ -1,4 +1,8 @@
-"""What the CLI commands do, as functions usable from Python too."""
+"""What the CLI commands do, as functions usable from Python too.
+
+Length (over the ~500-line guide of ARCHITECTURE.md): the composition root of a simulated run: configuration to
+dataset, federation, algorithm and engine, plus resume and seed groups, read top to bottom in one place.
+"""
 
 from __future__ import annotations
 
@@ -85,7 +89,7 @@ def run_experiment(
     model. A resume rewrites ``config.yaml`` only once its checkpoint has been restored and rounds remain.
     """
     from .engine.executors import check_workers
-    from .engine.simulation import Simulation, summarise
+    from .simulation import Simulation, summarise
 
     console = console or make_console()
     check_workers(cfg)
@@ -428,7 +432,7 @@ def compare_runs(paths: list[str], out: Path | None = None, target: float | None
     its class-distribution heatmaps are its first seed's. A seed whose run diverged is left out of both."""
     import math
 
-    from .engine.simulation import summarise
+    from .engine.summary import summarise
     from .report.groups import group_members, group_summary, mean_curve
     from .report.plots import check_figure_path
 
@@ -500,7 +504,7 @@ def compare_runs(paths: list[str], out: Path | None = None, target: float | None
 def show_partition(args: argparse.Namespace, console: Console | None = None) -> None:
     from .config import build_config, parse_override, read_yaml
     from .data.partition import partition_stats
-    from .engine.simulation import build_federation
+    from .engine.federation import build_federation
 
     console = console or make_console()
     overrides: dict[str, Any] = {}
@@ -516,7 +520,7 @@ def show_partition(args: argparse.Namespace, console: Console | None = None) -> 
         k, v = parse_override(item)
         overrides[k] = v
     from .report.plots import check_figure_path
-    from .reproduce import find_config
+    from .config import find_config
 
     if args.max_rows < 0:
         raise ConfigError(f"--max-rows: {args.max_rows} is negative; give the number of clients to print (0 for none)")

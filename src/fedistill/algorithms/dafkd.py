@@ -45,6 +45,9 @@ The generator emits the run's image size: the card's 32×32 DCGAN when 28×28 da
 card says (``dataset.resize: 32``, the DaFKD presets), a DCGAN with a 7-pixel first layer on raw 28×28 data.
 The default profile's clients train with the run's ``local`` optimiser, like every other method of a
 comparison (``profile: code`` or ``client_optimizer: adam`` with ``client_lr`` for the code's Adam 1e-4).
+
+Length (over the ~500-line guide of ARCHITECTURE.md): one method per file next to its card (DESIGN.md): DaFKD's
+client GAN, server distillation, privacy variant and profiles.
 """
 
 from __future__ import annotations

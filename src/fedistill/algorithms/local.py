@@ -9,12 +9,13 @@ loss term such as FedProx's proximal term) and/or ``logit_transform``; the loop 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterable, NamedTuple
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..engine.evaluation import Evaluation, autocast_context, evaluate  # noqa: F401  (the methods import them from here)
 from .base import ClientContext
 
 # extra_loss(model, x, y, logits, features) -> scalar tensor added to the CE loss; ``features`` is the
@@ -53,11 +54,6 @@ def fused(device: torch.device) -> dict[str, bool]:
     benchmarks/RESULTS.md, issue 15 target 2). The result equals the foreach update up to rounding.
     """
     return {"fused": True} if device.type in ("cpu", "cuda") else {}
-
-
-def autocast_context(precision: str, device: torch.device):
-    """bf16 autocast (fp32 master weights and optimizer) when ``precision == 'bf16'``; else a no-op."""
-    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
 
 
 def local_sgd(
@@ -110,43 +106,3 @@ def local_sgd(
             seen += int(y.shape[0])
     mean_loss = float(loss_sum / seen) if seen else float("nan")
     return LocalResult(steps=steps, samples_seen=seen, mean_loss=mean_loss)
-
-
-class Evaluation(NamedTuple):
-    accuracy: float  # top-1, as a fraction
-    loss: float  # mean cross-entropy
-    predictions: torch.Tensor  # (C,) int64: how often each class was predicted (FedLMD Fig. 2 diagnostic)
-    correct: torch.Tensor | None = None  # (N,) bool per sample, in batch order, when asked for (per_sample)
-
-
-@torch.inference_mode()
-def evaluate(
-    model: nn.Module,
-    batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
-    precision: str = "fp32",
-    per_sample: bool = False,
-) -> Evaluation:
-    """Top-1 accuracy, mean cross-entropy and the predicted-class histogram of ``model`` over ``(x, y)``
-    batches; with ``per_sample`` also which samples were right (personalised accuracy per client split)."""
-    model.eval()
-    # Accumulated on the model's device and read once at the end: no host synchronisation per batch.
-    correct: torch.Tensor | int = 0
-    loss_sum: torch.Tensor | float = 0.0
-    predicted: torch.Tensor | None = None
-    hits: list[torch.Tensor] = []
-    n = 0
-    for xb, yb in batches:
-        with autocast_context(precision, xb.device):
-            logits = model(xb).float()
-        loss_sum = loss_sum + F.cross_entropy(logits, yb, reduction="sum").double()
-        guesses = logits.argmax(1)
-        right = guesses == yb
-        correct = correct + right.sum()
-        if per_sample:
-            hits.append(right)
-        counts = torch.bincount(guesses, minlength=logits.shape[1])
-        predicted = counts if predicted is None else predicted + counts
-        n += yb.shape[0]
-    if n == 0 or predicted is None:
-        raise ValueError("evaluate: no samples")
-    return Evaluation(float(correct) / n, float(loss_sum) / n, predicted.cpu(), torch.cat(hits).cpu() if per_sample else None)

@@ -24,6 +24,9 @@ same partition. ``seed`` may also be a ``np.random.Generator``; it is then used 
 which is how :func:`make_partition` keeps the train and test split on a single stream.
 
 The order of indices inside a client's array carries no meaning (training shuffles anyway).
+
+Length (over the ~500-line guide of ARCHITECTURE.md): every partition scheme is registered here and shares the
+size checks and the min-size resampling; each scheme is a section.
 """
 
 from __future__ import annotations
@@ -542,7 +545,7 @@ def client_dirichlet(train_labels: np.ndarray, num_clients: int, seed: int, *, a
 def natural(train_labels: np.ndarray, num_clients: int, seed: int) -> list[np.ndarray]:
     """The dataset's own clients: a dataset that generates its federation (synthetic) is not split by labels.
 
-    The engine takes such a federation from the dataset itself (``engine.simulation.build_federation``);
+    The engine takes such a federation from the dataset itself (``engine.federation.build_federation``);
     called on plain labels, there is nothing natural to return.
     """
     raise PartitionError(

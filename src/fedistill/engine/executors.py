@@ -13,12 +13,12 @@ from __future__ import annotations
 import concurrent.futures
 import multiprocessing
 import os
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from ..algorithms.base import Message, RoundInfo
 from ..errors import ConfigError
+from ..protocol import Message, RoundInfo
 
 Task = tuple[int, RoundInfo, Message, dict[str, Any]]  # (client id, round info, broadcast, client state)
 Result = tuple[Message, dict[str, Any]]  # (reply, updated client state)
@@ -67,10 +67,18 @@ class SequentialExecutor:
 _WORKER_RUNTIME: Any = None
 
 
-def _init_worker(config: dict[str, Any], dataset: Any, train_indices: Mapping[int, torch.Tensor], test_indices: Any, threads: int) -> None:
+def _init_worker(
+    runtime_factory: Callable[..., Any],
+    config: dict[str, Any],
+    dataset: Any,
+    train_indices: Mapping[int, torch.Tensor],
+    test_indices: Any,
+    threads: int,
+) -> None:
+    """A worker's client runtime: ``runtime_factory(cfg, dataset, train_indices, test_indices)`` (the parent's
+    ClientRuntime class with its algorithm factory bound; pickled by reference, so the worker imports it)."""
     from ..config import build_config
     from .perf import keep_freed_memory_in_heap
-    from .simulation import ClientRuntime
 
     global _WORKER_RUNTIME
     _exit_with_parent()
@@ -78,7 +86,7 @@ def _init_worker(config: dict[str, Any], dataset: Any, train_indices: Mapping[in
     cfg = build_config(config)
     if cfg.run.tune_allocator:
         keep_freed_memory_in_heap()
-    _WORKER_RUNTIME = ClientRuntime(cfg, dataset, train_indices, test_indices)
+    _WORKER_RUNTIME = runtime_factory(cfg, dataset, train_indices, test_indices)
 
 
 def _exit_with_parent(poll_seconds: float = 1.0) -> None:
@@ -110,7 +118,9 @@ def _evaluate_task(cid: int, info: RoundInfo, msg: dict[str, Any], state: dict[s
 class ProcessPoolExecutor:
     """Clients in ``workers`` spawned processes; the dataset tensors are shared, not copied."""
 
-    def __init__(self, cfg: Any, dataset: Any, federation: Any, workers: int, threads: int) -> None:
+    def __init__(
+        self, cfg: Any, dataset: Any, federation: Any, workers: int, threads: int, runtime_factory: Callable[..., Any]
+    ) -> None:
         import torch.multiprocessing  # noqa: F401  (registers tensor sharing through shared memory)
 
         for tensor in (dataset.train_x, dataset.train_y, dataset.test_x, dataset.test_y):
@@ -124,7 +134,7 @@ class ProcessPoolExecutor:
             max_workers=workers,
             mp_context=multiprocessing.get_context("spawn"),
             initializer=_init_worker,
-            initargs=(cfg.to_dict(), dataset, train, test, threads),
+            initargs=(runtime_factory, cfg.to_dict(), dataset, train, test, threads),
         )
 
     def run(self, tasks: Sequence[Task]) -> list[Result]:
@@ -181,9 +191,13 @@ def check_workers(cfg: Any) -> None:
         )
 
 
-def make_executor(cfg: Any, dataset: Any, federation: Any, client_runtime: Any) -> SequentialExecutor | ProcessPoolExecutor:
-    """The executor ``cfg.run.workers`` asks for (1 = sequential, in this process)."""
+def make_executor(
+    cfg: Any, dataset: Any, federation: Any, client_runtime: Any, runtime_factory: Callable[..., Any]
+) -> SequentialExecutor | ProcessPoolExecutor:
+    """The executor ``cfg.run.workers`` asks for (1 = sequential, in this process). ``runtime_factory(cfg, dataset,
+    train_indices, test_indices)`` builds a worker's client runtime (picklable: a class with its algorithm
+    factory bound)."""
     check_workers(cfg)
     if cfg.run.workers == 1:
         return SequentialExecutor(client_runtime)
-    return ProcessPoolExecutor(cfg, dataset, federation, cfg.run.workers, client_threads(cfg))
+    return ProcessPoolExecutor(cfg, dataset, federation, cfg.run.workers, client_threads(cfg), runtime_factory)

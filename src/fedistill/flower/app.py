@@ -1,7 +1,7 @@
 """The Flower ServerApp and ClientApp that run any fedistill algorithm unchanged.
 
 Server (``server_app``): reads the fedistill configuration from the run config (see :mod:`.settings`),
-builds the same :class:`~fedistill.engine.simulation.ServerRuntime` the simulation uses, finds which
+builds the same :class:`~fedistill.simulation.ServerRuntime` the simulation uses, finds which
 SuperNode holds which client (a ``query.fedistill_hello`` message answered with the node's
 ``partition-id``), and then, every round, sends the broadcast Messages of the sampled clients, waits for
 the replies (at most ``round-timeout`` seconds, less when a SuperNode leaves) and hands them to
@@ -22,6 +22,9 @@ the server resolves to what ``fedistill run`` uses, so that the numbers equal th
 
 A fedistill error in the ServerApp (a failed round, a wrong run-config key) prints one line and ends the
 Flower run as ``finished:failed``, without a traceback; ``flwr run`` itself exits 0 either way.
+
+Length (over the ~500-line guide of ARCHITECTURE.md): the ServerApp and the ClientApp of one deployment and the
+message handling they share; the opt-in accelerators are worker.py and supernode.py.
 """
 
 from __future__ import annotations
@@ -256,7 +259,10 @@ def run_server(grid: Grid, cfg: Config, settings: FlowerSettings) -> dict[str, A
     config.yaml only once its checkpoint is restored; without a checkpoint (it stopped before the first
     one) it starts again from round 1.
     """
-    from ..engine.simulation import ServerRuntime, apply_process_settings, build_federation, round_info, summarise
+    from ..engine.federation import build_federation
+    from ..engine.run_setup import apply_process_settings, round_info
+    from ..engine.summary import summarise
+    from ..simulation import ServerRuntime  # the engine's, with the configured method plugged in
     from ..models.flat import num_flat
     from ..report.plots import accuracy_label, config_title, plot_accuracy, plot_class_distributions, plot_partition, plot_personal_accuracy
     from ..report.rundir import RunDirectory
@@ -560,7 +566,8 @@ def _client_runtime(config_json: str, node_config: dict[str, Any], run_id: int |
         _CACHE_COUNTS["hits"] += 1
         return runtime
     from ..engine.perf import keep_freed_memory_in_heap
-    from ..engine.simulation import ClientRuntime, build_federation
+    from ..engine.federation import build_federation
+    from ..simulation import ClientRuntime  # the engine's, with the configured method plugged in
     from ..runner import load_dataset_for
 
     cfg = build_config(json.loads(config_json))

@@ -35,6 +35,27 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 FEDISTILL_CLIENTAPP = "fedistill.flower.app:client_app"
+# The worker drives Flower's private modules (flwr.proto, flwr.supercore, flwr.supernode.runtime), which change
+# between releases without notice: it runs only on the release it was written against. Flower's own
+# per-message ClientApp (the default path, public API only) has no such limit.
+SUPPORTED_FLWR = "1.41."
+
+
+def flwr_version_error() -> str | None:
+    """Why this worker refuses the installed flwr, or None where it is the supported release."""
+    import importlib.metadata
+
+    try:
+        version = importlib.metadata.version("flwr")
+    except importlib.metadata.PackageNotFoundError:
+        return "flwr is not installed: pip install 'fedistill[flower]'"
+    if not version.startswith(SUPPORTED_FLWR):
+        return (
+            f"the long-running ClientApp drives Flower {SUPPORTED_FLWR}x's private modules and flwr {version} is "
+            f"installed: install flwr=={SUPPORTED_FLWR}0 or start the SuperNode without --isolation process "
+            "(Flower's per-message ClientApp works with any supported flwr)"
+        )
+    return None
 
 log = logging.getLogger("fedistill.flower.worker")
 
@@ -347,6 +368,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--idle-poll-interval", type=float, default=1.0, help="seconds between claims after --fast-window idle seconds (1.0)")
     parser.add_argument("--fast-window", type=float, default=30.0, help="seconds after a task during which to poll fast (30)")
     args = parser.parse_args(argv)
+    refused = flwr_version_error()
+    if refused is not None:
+        parser.exit(2, f"{parser.prog}: {refused}\n")
     if not args.insecure and not args.root_certificates:
         parser.error("give --insecure (local trial) or --root-certificates (TLS Runtime API)")
     if args.poll_interval <= 0 or args.idle_poll_interval <= 0:

@@ -3,6 +3,9 @@
 Matplotlib without pyplot (no global figure state, safe off a display). Every ``plot_*`` function saves to
 the format its path's extension names (``.png``, ``.pdf``, ``.svg``, ...); the ``*_figure`` functions build
 the :class:`~matplotlib.figure.Figure` without saving it, for tests and for callers that compose their own.
+
+Length (over the ~500-line guide of ARCHITECTURE.md): every figure of the CLI shares one style, one legend and
+one tick helper set; a figure type per file would repeat them.
 """
 
 from __future__ import annotations

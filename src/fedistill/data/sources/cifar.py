@@ -1,0 +1,162 @@
+"""CIFAR-10 and CIFAR-100: the official Python pickles, extracted from the official ``.tar.gz`` when missing.
+
+Unpickling is restricted to the numpy globals the official batches need (:data:`_PICKLE_GLOBALS`); each
+batch's keys, shapes and labels are checked before use.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from ...errors import DatasetError
+from ...registry import DATASETS
+from .. import download as _download
+from ..dataset import Dataset
+from .common import MD5, _build, _check_count, _check_labels, _ensure_archive, _read_checked
+
+CIFAR10_FOLDER = "cifar-10-batches-py"
+CIFAR10_ARCHIVE = "cifar-10-python.tar.gz"
+CIFAR10_FILES = ("data_batch_1", "data_batch_2", "data_batch_3", "data_batch_4", "data_batch_5", "test_batch")
+CIFAR100_FOLDER = "cifar-100-python"
+CIFAR100_ARCHIVE = "cifar-100-python.tar.gz"
+CIFAR100_FILES = ("train", "test")
+
+
+# Globals the official CIFAR pickles (numpy arrays inside Python 2 pickles) need, and nothing else: a
+# pickle can name any callable, so even on the official files unpickling is restricted to these.
+_PICKLE_GLOBALS = {
+    ("numpy", "ndarray"),
+    ("numpy", "dtype"),
+    ("numpy.core.multiarray", "_reconstruct"),
+    ("numpy._core.multiarray", "_reconstruct"),
+    ("numpy.core.multiarray", "scalar"),
+    ("numpy._core.multiarray", "scalar"),
+    ("numpy.core.numeric", "_frombuffer"),
+    ("numpy._core.numeric", "_frombuffer"),
+    ("_codecs", "encode"),  # how Python 3 writes bytes in protocol-2 pickles
+}
+
+
+_NUMPY_2 = int(np.__version__.split(".")[0]) >= 2
+
+
+class _ArrayUnpickler(pickle.Unpickler):
+    """Unpickler that only resolves the numpy globals of :data:`_PICKLE_GLOBALS`."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) not in _PICKLE_GLOBALS:
+            raise pickle.UnpicklingError(f"refusing to load global {module}.{name}")
+        if module.startswith("numpy.core") and _NUMPY_2:
+            module = "numpy._core" + module[len("numpy.core"):]  # numpy 2 renamed it; avoids a warning
+        return super().find_class(module, name)
+
+
+def _unpickle(path: Path, raw: bytes) -> dict:
+    try:
+        # encoding="bytes": the official pickles were written by Python 2, their str keys become bytes.
+        obj = _ArrayUnpickler(io.BytesIO(raw), encoding="bytes").load()
+    except Exception as exc:  # any failure of the decoder means a corrupt or foreign file
+        raise DatasetError(
+            f"{path}: cannot unpickle ({type(exc).__name__}: {exc}); the file is truncated, corrupt or not "
+            f"an official CIFAR batch; delete it and download again"
+        ) from None
+    if not isinstance(obj, dict):
+        raise DatasetError(f"{path}: expected a pickled dict, found {type(obj).__name__}")
+    return obj
+
+
+def _get_key(obj: dict, key: str, path: Path) -> Any:
+    for candidate in (key.encode(), key):
+        if candidate in obj:
+            return obj[candidate]
+    raise DatasetError(
+        f"{path}: missing key {key!r} (has {', '.join(sorted(repr(k) for k in obj))}); not an official CIFAR batch"
+    )
+
+
+def _read_cifar_batch(
+    path: Path, label_key: str, num_classes: int, md5_table: dict[str, str], verify: bool
+) -> tuple[np.ndarray, np.ndarray]:
+    """One CIFAR pickle: ``data`` is (N, 3072) uint8 holding the R, G and B 32x32 planes row-major."""
+    obj = _unpickle(path, _read_checked(path, md5_table.get(path.name), verify))
+    data = _get_key(obj, "data", path)
+    labels = _get_key(obj, label_key, path)
+    if not isinstance(data, np.ndarray) or data.dtype != np.uint8 or data.ndim != 2 or data.shape[1] != 3072:
+        shape = getattr(data, "shape", None)
+        raise DatasetError(
+            f"{path}: 'data' must be a uint8 array of shape (N, 3072), found "
+            f"{type(data).__name__} {getattr(data, 'dtype', '')} {shape}"
+        )
+    try:
+        labels = np.asarray(labels, dtype=np.int64)
+    except (TypeError, ValueError) as exc:
+        raise DatasetError(f"{path}: {label_key!r} is not a list of integers ({exc})") from None
+    if labels.ndim != 1:
+        raise DatasetError(f"{path}: {label_key!r} must be one-dimensional, found shape {labels.shape}")
+    _check_count(path, path, data.shape[0], labels.shape[0])
+    _check_labels(path, labels, 0, num_classes - 1)
+    return data.reshape(-1, 3, 32, 32), labels
+
+
+def _load_cifar(
+    key: str,
+    title: str,
+    root: Path,
+    folder: str,
+    archive_name: str,
+    train_files: Sequence[str],
+    test_files: Sequence[str],
+    label_key: str,
+    num_classes: int,
+    download: bool,
+    verify: bool,
+    mean: tuple[float, ...],
+    std: tuple[float, ...],
+) -> Dataset:
+    root = Path(root)
+    directory = root / folder
+    expected = [*train_files, *test_files]
+    missing = [f for f in expected if not (directory / f).is_file()]
+    if missing:
+        archive = root / archive_name
+        _ensure_archive(key, title, archive, directory, expected, missing, download, verify, root)
+        _download.extract_members(archive, {f"{folder}/{f}": directory / f for f in missing})
+    md5_table = MD5[key]
+    splits = []
+    for files in (train_files, test_files):
+        parts = [_read_cifar_batch(directory / f, label_key, num_classes, md5_table, verify) for f in files]
+        splits.append((np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])))
+    return _build(key, splits[0], splits[1], num_classes, mean, std)
+
+
+@DATASETS.register("cifar10")
+def load_cifar10(root: Path, download: bool = False, verify: bool = True) -> Dataset:
+    """CIFAR-10: 50k/10k 3x32x32, 10 classes (official python pickles in <data>/cifar-10-batches-py/).
+
+    ``download=True`` fetches ``cifar-10-python.tar.gz`` (md5-checked, kept in <data>) and extracts only
+    the six batch files. Each batch is also md5-checked against the published per-batch values.
+    """
+    return _load_cifar(
+        "cifar10", "CIFAR-10", root, CIFAR10_FOLDER, CIFAR10_ARCHIVE, CIFAR10_FILES[:5], CIFAR10_FILES[5:],
+        "labels", 10, download, verify,
+        (0.49139968, 0.48215827, 0.44653124), (0.24703233, 0.24348505, 0.26158768),
+    )
+
+
+@DATASETS.register("cifar100")
+def load_cifar100(root: Path, download: bool = False, verify: bool = True) -> Dataset:
+    """CIFAR-100: 50k/10k 3x32x32, 100 fine classes (official python pickles in <data>/cifar-100-python/).
+
+    Uses ``fine_labels``. ``download=True`` fetches ``cifar-100-python.tar.gz`` (md5-checked, kept in
+    <data>) and extracts only ``train`` and ``test``, which are md5-checked too.
+    """
+    return _load_cifar(
+        "cifar100", "CIFAR-100", root, CIFAR100_FOLDER, CIFAR100_ARCHIVE, CIFAR100_FILES[:1], CIFAR100_FILES[1:],
+        "fine_labels", 100, download, verify,
+        (0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762),
+    )

@@ -1,0 +1,57 @@
+"""Evaluation of a model on batches (accuracy, loss, predicted-class histogram, per-sample hits) and the bf16
+autocast context every forward pass uses. Below the methods: the engine evaluates the global and the
+personalised models with it; ``fedistill.algorithms.local`` re-exports both for the methods."""
+
+from __future__ import annotations
+
+from typing import Iterable, NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def autocast_context(precision: str, device: torch.device):
+    """bf16 autocast (fp32 master weights and optimizer) when ``precision == 'bf16'``; else a no-op."""
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
+
+
+
+class Evaluation(NamedTuple):
+    accuracy: float  # top-1, as a fraction
+    loss: float  # mean cross-entropy
+    predictions: torch.Tensor  # (C,) int64: how often each class was predicted (FedLMD Fig. 2 diagnostic)
+    correct: torch.Tensor | None = None  # (N,) bool per sample, in batch order, when asked for (per_sample)
+
+
+@torch.inference_mode()
+def evaluate(
+    model: nn.Module,
+    batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
+    precision: str = "fp32",
+    per_sample: bool = False,
+) -> Evaluation:
+    """Top-1 accuracy, mean cross-entropy and the predicted-class histogram of ``model`` over ``(x, y)``
+    batches; with ``per_sample`` also which samples were right (personalised accuracy per client split)."""
+    model.eval()
+    # Accumulated on the model's device and read once at the end: no host synchronisation per batch.
+    correct: torch.Tensor | int = 0
+    loss_sum: torch.Tensor | float = 0.0
+    predicted: torch.Tensor | None = None
+    hits: list[torch.Tensor] = []
+    n = 0
+    for xb, yb in batches:
+        with autocast_context(precision, xb.device):
+            logits = model(xb).float()
+        loss_sum = loss_sum + F.cross_entropy(logits, yb, reduction="sum").double()
+        guesses = logits.argmax(1)
+        right = guesses == yb
+        correct = correct + right.sum()
+        if per_sample:
+            hits.append(right)
+        counts = torch.bincount(guesses, minlength=logits.shape[1])
+        predicted = counts if predicted is None else predicted + counts
+        n += yb.shape[0]
+    if n == 0 or predicted is None:
+        raise ValueError("evaluate: no samples")
+    return Evaluation(float(correct) / n, float(loss_sum) / n, predicted.cpu(), torch.cat(hits).cpu() if per_sample else None)

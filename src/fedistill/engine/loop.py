@@ -1,0 +1,155 @@
+"""The in-process round loop of DESIGN.md (:class:`RoundLoop`).
+
+``broadcast -> local_update -> aggregate -> evaluate`` for the clients sampled each round, in client-id
+order, with bytes counted from the Messages, a checkpoint every N rounds and exact resume. It is handed
+the algorithm as a factory (``fedistill.simulation.Simulation`` passes the registry's builder): the
+engine imports nothing from ``algorithms/``."""
+
+from __future__ import annotations
+
+import functools
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from ..config import Config
+from ..data.dataset import Dataset
+from ..data.pipeline import TensorPipeline
+from ..protocol import Algorithm, Message, RoundInfo, ServerContext
+from .client import AlgorithmFactory, ClientRuntime
+from .executors import ProcessPoolExecutor, SequentialExecutor, make_executor
+from .federation import Federation, build_federation
+from .run_setup import apply_process_settings, round_info
+from .server import RunState, ServerRuntime
+
+
+class RoundLoop:
+    """Runs ``cfg.rounds`` rounds in one process: a ServerRuntime whose messages go straight to a ClientRuntime.
+
+    ``algorithm_factory(cfg)`` builds the method (once for the server, once for the clients' runtime, and once
+    in each worker process): the caller plugs it in (``fedistill.simulation.Simulation``)."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        dataset: Dataset,
+        run_dir: Path | None = None,
+        on_round: Callable[[dict[str, Any]], None] | None = None,
+        federation: Federation | None = None,
+        *,
+        algorithm_factory: AlgorithmFactory,
+    ) -> None:
+        self.cfg = cfg
+        self.on_round = on_round
+        apply_process_settings(cfg)
+        self.federation = federation or build_federation(cfg, dataset)
+        fed = self.federation
+        sizes = tuple(fed.client_sizes().tolist())  # n_k of the population (FedDyn's α_k)
+        self.server_runtime = ServerRuntime(
+            cfg,
+            dataset,
+            fed.num_clients,
+            run_dir,
+            client_num_samples=sizes,
+            client_test_indices=fed.test_indices,
+            client_evaluator=self._evaluate_on_clients,
+            partition_digest=fed.partition_digest(),
+            algorithm=algorithm_factory(cfg),
+        )
+        self.client_runtime = ClientRuntime(
+            cfg,
+            dataset,
+            fed.train_map(),
+            fed.test_map(),
+            algorithm_factory=algorithm_factory,
+        )
+        self.dataset = dataset
+        self._executor: SequentialExecutor | ProcessPoolExecutor | None = None
+
+    @property
+    def executor(self) -> SequentialExecutor | ProcessPoolExecutor:
+        if self._executor is None:  # started on first use: worker processes cost a second or two
+            # A worker builds the same runtime as this process's: the class with the algorithm factory bound.
+            runtime_factory = functools.partial(ClientRuntime, algorithm_factory=self.client_runtime.algorithm_factory)
+            self._executor = make_executor(self.cfg, self.dataset, self.federation, self.client_runtime, runtime_factory)
+        return self._executor
+
+    def close(self) -> None:
+        """Stop worker processes (if any). Safe to call more than once."""
+        if self._executor is not None:
+            self._executor.close()
+            self._executor = None
+
+    # The server's pieces, under the names the rest of the code and the tests use.
+    @property
+    def server(self) -> ServerContext:
+        return self.server_runtime.server
+
+    @property
+    def algorithm(self) -> Algorithm:
+        return self.server_runtime.algorithm
+
+    @property
+    def state(self) -> RunState:
+        return self.server_runtime.state
+
+    @property
+    def pipeline(self) -> TensorPipeline:
+        return self.client_runtime.pipeline
+
+    @property
+    def run_dir(self) -> Path | None:
+        return self.server_runtime.run_dir
+
+    @run_dir.setter
+    def run_dir(self, path: Path | None) -> None:
+        self.server_runtime.run_dir = path
+
+    @property
+    def checkpoint_path(self) -> Path | None:
+        return self.server_runtime.checkpoint_path
+
+    def restore(self, path: Path | None = None, **options: Any) -> bool:
+        return self.server_runtime.restore(path, **options)
+
+    def round_info(self, rnd: int) -> RoundInfo:
+        return round_info(self.cfg, rnd)
+
+    def run_round(self, rnd: int) -> dict[str, Any]:
+        started = time.perf_counter()
+        info = self.round_info(rnd)
+        selected = self.server_runtime.select_clients(rnd)
+        store = self.server_runtime.client_store
+        tasks = []
+        for cid in selected:
+            msg = self.server_runtime.broadcast(info, cid)
+            tasks.append((cid, info, msg, store.load(cid)))
+        results = self.executor.run(tasks)
+        replies: dict[int, Message] = {}
+        for (cid, _, _, _), (reply, state) in zip(tasks, results):
+            replies[cid] = reply
+            store.save(cid, state, rnd)
+        bytes_down = sum(msg.nbytes() for _, _, msg, _ in tasks)
+        bytes_up = sum(reply.nbytes() for reply in replies.values())
+        labels = self.federation.class_counts_of(selected).sum(axis=0).tolist()  # the round's clients only: O(1) in K
+        return self.server_runtime.complete_round(info, replies, bytes_down, bytes_up, started, train_label_counts=labels)
+
+    def _evaluate_on_clients(self, info: RoundInfo, messages: dict[int, Message]) -> dict[int, Message]:
+        store = self.server_runtime.client_store
+        tasks = [(cid, info, msg, store.load(cid)) for cid, msg in messages.items()]
+        return dict(zip(messages, self.executor.evaluate(tasks)))
+
+    def run(self, resume: bool = False) -> list[dict[str, Any]]:
+        """Run (or continue) to ``cfg.rounds``; returns the per-round metric rows."""
+        if resume:
+            self.restore()
+        try:
+            for rnd in range(self.state.round + 1, self.cfg.rounds + 1):
+                row = self.run_round(rnd)
+                if self.on_round:
+                    self.on_round(row)
+        finally:
+            self.close()
+        return self.state.history
+
+

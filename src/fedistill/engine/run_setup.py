@@ -1,0 +1,71 @@
+"""What a run sets up the same way in the simulation and in the Flower apps: models built from their own seeded
+stream, the round's hyperparameters, the process settings (threads, allocator) and the numerics a checkpoint
+records."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..config import Config
+from ..data.dataset import Dataset
+from ..protocol import RoundInfo
+from .executors import client_threads
+from .perf import keep_freed_memory_in_heap
+from .seeding import derive_seed
+
+
+def build_model_for(
+    cfg: Config,
+    dataset: Dataset,
+    seed_coords: tuple[int, ...],
+    name: str | None = None,
+    input_shape: tuple[int, ...] | None = None,
+    kwargs: dict[str, Any] | None = None,
+) -> torch.nn.Module:
+    """The configured model (or the architecture ``name``), initialised from its own seeded stream
+    (global RNG left untouched). ``model.kwargs`` belong to ``model.name`` only."""
+    from ..models import build_model
+
+    name = name or cfg.model_name()
+    if kwargs is None:
+        kwargs = cfg.model.kwargs if name == cfg.model_name() else {}
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(derive_seed(cfg.seed, *seed_coords))
+        model = build_model(name, tuple(input_shape or dataset.input_shape), dataset.num_classes, **kwargs)
+    model = model.to(cfg.run.device)
+    if cfg.run.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    return model
+
+
+def round_info(cfg: Config, rnd: int) -> RoundInfo:
+    """Per-round hyperparameters: η_t = η_0 γ^(t-1) (fedavg.md ambiguity 3)."""
+    return RoundInfo(round=rnd, lr=cfg.local.lr * cfg.local.lr_decay ** (rnd - 1))
+
+
+def apply_process_settings(cfg: Config) -> None:
+    # With worker processes, run.threads is each worker's count; this process (aggregation, evaluation)
+    # keeps all cores, since it is idle while the workers train.
+    if cfg.run.workers == 1:
+        torch.set_num_threads(client_threads(cfg))  # what the checkpoint records (and the Flower writer embeds)
+    if cfg.run.tune_allocator:
+        keep_freed_memory_in_heap()
+
+
+def run_numerics(cfg: Config) -> dict[str, Any]:
+    """The run settings that change the numbers a run produces (checked on resume, engine/checkpoint.py)."""
+    numerics = {
+        "precision": cfg.run.precision,
+        "channels_last": cfg.run.channels_last,
+        "device": cfg.run.device,
+        "client_threads": client_threads(cfg),
+    }
+    # Recorded only when not the default, so that checkpoints written before the setting existed (fp32)
+    # still compare equal.
+    if cfg.run.client_state_dtype != "fp32":
+        numerics["client_state_dtype"] = cfg.run.client_state_dtype
+    return numerics
+
+

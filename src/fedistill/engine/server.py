@@ -1,0 +1,325 @@
+"""The server half of a round (:class:`ServerRuntime`): sampling, broadcast, aggregation, evaluation,
+metrics and checkpoints, plus the per-run helpers it shares with the Flower server app (seeded model
+building, round hyperparameters, process settings, numerics)."""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from ..config import Config, resolved_config
+from ..data.dataset import Dataset
+from ..data.pipeline import TensorPipeline
+from ..errors import ConfigError, TrainingDiverged
+from ..models.flat import get_flat, num_flat
+from ..protocol import EVAL_PREFIX, Algorithm, Message, RoundInfo, ServerContext
+from .architectures import check_architectures
+from .checkpoint import (
+    CHECKPOINT_NAME,
+    check_compatible,
+    load_checkpoint,
+    save_checkpoint,
+)
+from .evaluation import evaluate
+from .federation import check_partition
+from .perf import deterministic_kernels
+from .run_setup import apply_process_settings, build_model_for, round_info, run_numerics  # noqa: F401  (re-exported)
+from .seeding import INIT, SERVER, make_generator, sample_clients
+from .state_store import DiskStateStore, MemoryStateStore, make_state_store
+from .summary import personal_metrics, personal_metrics_from_counts
+
+
+@dataclass
+class RunState:
+    """What a checkpoint holds besides the models.
+
+    ``client_states`` is used by the in-process simulation, which keeps every client's persistent state on
+    the clients' behalf (in memory or on disk, :mod:`.state_store`); in a real deployment each client keeps
+    its own.
+    """
+
+    round: int = 0
+    history: list[dict[str, Any]] = field(default_factory=list)
+    client_states: MemoryStateStore | DiskStateStore = field(default_factory=MemoryStateStore)
+
+
+def kl_from_uniform(counts: torch.Tensor) -> float:
+    """``KL(p || uniform) = log C + Σ p log p`` of a histogram (0 = perfectly balanced; FedLMD §6.1 metric)."""
+    p = counts.double() / counts.sum().clamp_min(1)
+    nonzero = p[p > 0]
+    return float(np.log(p.numel()) + (nonzero * nonzero.log()).sum())
+
+
+# {client id: personal_message} -> {client id: evaluation reply} (ServerRuntime.evaluate_assembled)
+ClientEvaluator = Callable[[RoundInfo, dict[int, Message]], dict[int, Message]]
+
+
+class ServerRuntime:
+    """The server half of a round: sampling, broadcast, aggregation, evaluation, metrics, checkpoints.
+
+    It knows the clients only by id and talks to them only through Messages, so the same object drives
+    the in-process simulation and a Flower deployment.
+    """
+
+    def __init__(
+        self,
+        cfg: Config,
+        dataset: Dataset,
+        num_clients: int,
+        run_dir: Path | None = None,
+        client_num_samples: tuple[int, ...] | None = None,
+        client_test_indices: list[torch.Tensor] | None = None,
+        client_evaluator: ClientEvaluator | None = None,
+        partition_digest: str | None = None,
+        *,
+        algorithm: Algorithm,
+    ) -> None:
+        """``algorithm`` is the method this server runs, built by the caller (the composition root:
+        ``fedistill.simulation``, the Flower server app) from ``cfg``."""
+        self.cfg = cfg
+        self.run_dir = run_dir
+        self.partition_digest = partition_digest  # Federation.partition_digest, kept in checkpoints
+        # How the server asks clients to evaluate an "assembled" personalised model (the simulation's executor,
+        # or Flower evaluate messages): {cid: personal_message} -> {cid: reply with eval.correct/eval.count}.
+        self.client_evaluator = client_evaluator
+        # Measure even the global model's personalised accuracy on the clients (Flower sites with their own
+        # files, whose test splits the server does not have); the simulation reads it off the server's predictions.
+        self.personal_on_clients = False
+        self.num_clients = num_clients
+        self.device = torch.device(cfg.run.device)
+        deterministic_kernels(self.device)
+        self.algorithm = algorithm
+        self.architectures = check_architectures(cfg, self.algorithm, num_clients)
+        # Each client's test split, where the server holds the partition: the global model's personalised
+        # accuracy is read off its test-set predictions at these indices (no extra forward pass).
+        self.client_test_indices = client_test_indices
+        # The server evaluates on the global test split; it never augments.
+        self.test_pipeline = TensorPipeline(dataset, device=self.device, channels_last=cfg.run.channels_last)
+        self.knowledge_exchange = getattr(self.algorithm, "exchange", "weights") == "knowledge"
+        # What one client's weights would cost per round (down + up) for each architecture: the reference
+        # of the communication ratio (experiments-fedict.md §6, "FedAvg-type: 8·|W|").
+        self.weight_exchange_bytes = {
+            name: 2 * 4 * num_flat(build_model_for(cfg, dataset, (INIT,), name)) for name in set(self.architectures)
+        }
+        self.server = ServerContext(
+            model=self._server_model(cfg, dataset),
+            state={},
+            generator=make_generator(cfg.seed, SERVER, 0),
+            num_classes=dataset.num_classes,
+            device=self.device,
+            num_clients=num_clients,
+            client_num_samples=client_num_samples,
+            seed=cfg.seed,
+            input_shape=tuple(dataset.input_shape),
+            precision=cfg.run.precision,
+            data_dir=cfg.dataset.data_dir,
+            data_verify=cfg.dataset.verify,
+            data_resize=cfg.dataset.resize,
+            input_mean=tuple(dataset.mean),
+            input_std=tuple(dataset.std),
+        )
+        self.state = RunState()
+        self._store_ready = False
+        self.algorithm.init_server(self.server)
+
+    def _server_model(self, cfg: Config, dataset: Dataset) -> torch.nn.Module:
+        """The global model; for knowledge exchange, ``model.server`` on the clients' feature maps."""
+        if not self.knowledge_exchange:
+            return build_model_for(cfg, dataset, (INIT,))
+        shapes = {}
+        for name in dict.fromkeys(self.architectures):
+            client_model = build_model_for(cfg, dataset, (INIT,), name)
+            if not hasattr(client_model, "split_features"):
+                raise ConfigError(
+                    f"model.clients: {name!r} has no extractor/predictor split; {cfg.algorithm.display_name()} needs "
+                    "split models (fd_resnet2/4/8/10/12, fd_mlp16/32/64)"
+                )
+            shapes[name] = tuple(client_model.feature_shape)
+        if len(set(shapes.values())) > 1:
+            raise ConfigError(
+                f"model.clients: the server trains on the clients' features, so they must have one shape; got {shapes}"
+            )
+        feature_shape = next(iter(shapes.values()))
+        return build_model_for(cfg, dataset, (INIT,), cfg.model.server, feature_shape, cfg.model.server_kwargs)
+
+    @property
+    def client_store(self) -> MemoryStateStore | DiskStateStore:
+        """The clients' state store, made on first use (the run directory may be set after construction)."""
+        if not self._store_ready:
+            self.state.client_states = make_state_store(self.cfg.run.client_state, self.run_dir, self.cfg.run.client_state_dtype)
+            self._store_ready = True
+        return self.state.client_states
+
+    @property
+    def checkpoint_path(self) -> Path | None:
+        return self.run_dir / CHECKPOINT_NAME if self.run_dir else None
+
+    def save(self) -> None:
+        if self.checkpoint_path is None:
+            return
+        save_checkpoint(
+            self.checkpoint_path,
+            {
+                "config": self.cfg.resolved_dict(),
+                "numerics": run_numerics(self.cfg),
+                "partition_digest": self.partition_digest,
+                "round": self.state.round,
+                "global_model": self.server.model.state_dict(),
+                "server_state": self.server.state,
+                "client_store": self.client_store.snapshot(),
+                "history": self.state.history,
+            },
+        )
+        self.client_store.committed()
+
+    def restore(self, path: Path | None = None, allow_numeric_change: bool = False, hint: str = "") -> bool:
+        """Continue from the checkpoint; False (and a clean round-0 state) when the run has none yet.
+
+        A run that died before its first checkpoint then starts again from round 1: the client-state
+        files it left are removed. Settings that change results (:data:`NUMERIC_RUN_SETTINGS`) must equal
+        the checkpoint's unless ``allow_numeric_change``; the changes made are kept in ``numeric_changes``.
+        """
+        path = path or self.checkpoint_path
+        self.numeric_changes: list[str] = []
+        if path is None or not path.is_file():
+            store = self.client_store
+            store.restore({"kind": store.kind, "states": {}, "index": {}}, self.run_dir)
+            self.state = RunState(0, [], store)
+            return False
+        payload = load_checkpoint(path)
+        self.numeric_changes = check_compatible(
+            resolved_config(payload["config"]), self.cfg.resolved_dict(), payload.get("numerics"), run_numerics(self.cfg),
+            allow_numeric_change, hint,
+        )  # fmt: skip
+        check_partition(payload.get("partition_digest"), self.partition_digest, self.cfg.partition.scheme)
+        self.server.model.load_state_dict(payload["global_model"])
+        self.server.state = payload["server_state"]
+        store = self.client_store
+        # Checkpoints from before the state store held a plain dict under "client_states".
+        store.restore(payload.get("client_store") or {"kind": "memory", "states": payload["client_states"]}, self.run_dir)
+        self.state = RunState(payload["round"], payload["history"], store)
+        return True
+
+    def select_clients(self, rnd: int) -> list[int]:
+        return sample_clients(self.num_clients, self.cfg.clients_per_round, self.cfg.seed, rnd)
+
+    def broadcast(self, info: RoundInfo, cid: int) -> Message:
+        return self.algorithm.broadcast(self.server, info, cid)
+
+    def evaluate_global(self) -> tuple[float, float]:
+        acc, loss, _ = self.evaluate_global_with_predictions()
+        return acc, loss
+
+    def evaluate_global_with_predictions(self, per_sample: bool = False) -> tuple[Any, ...]:
+        """Accuracy (%), loss and the global model's predicted-class histogram on the test set (and, with
+        ``per_sample``, whether each test sample was classified correctly)."""
+        batches = self.test_pipeline.test_batches(self.cfg.eval.batch_size)
+        result = evaluate(self.server.model, batches, self.cfg.run.precision, per_sample=per_sample)
+        head = (100.0 * result.accuracy, result.loss, result.predictions)
+        return (*head, result.correct) if per_sample else head
+
+    def evaluate_assembled(self, info: RoundInfo, cids: list[int]) -> dict[str, Any]:
+        """Personal metrics of models the clients assemble after aggregation (personal_model "assembled").
+
+        Each client of the round gets the algorithm's ``personal_message`` (what it would receive next: the new
+        shared weights, its group's model), builds its personalised model from it and its own state, and
+        reports how many of its test samples that model gets right. As a deployment's evaluate phase, these
+        messages are not the algorithm's communication: they are not counted in ``bytes_down``.
+        """
+        if self.client_evaluator is None:
+            raise RuntimeError(f"{self.algorithm.name}: personalised models are assembled on the clients, but no client evaluator was given")
+        messages = {cid: self.algorithm.personal_message(self.server, info, cid) for cid in cids}
+        reports = self.client_evaluator(info, messages)
+        reports = {cid: r for cid, r in reports.items() if int(r.get(f"{EVAL_PREFIX}count", 0)) > 0}
+        return personal_metrics_from_counts(reports) if reports else {}
+
+    def _diverged(self, rnd: int, info: RoundInfo, what: str) -> None:
+        """Stop the run: the round is not recorded and the last good checkpoint stays."""
+        last = self.state.round
+        where = (
+            f"the last good checkpoint (round {last}) is {self.checkpoint_path}"
+            if self.checkpoint_path and self.checkpoint_path.exists()
+            else "no checkpoint was written"
+        )
+        raise TrainingDiverged(f"round {rnd}: {what}; {where}. Lower local.lr (now {info.lr:g}) or check the data.")
+
+    def complete_round(
+        self,
+        info: RoundInfo,
+        replies: dict[int, Message],
+        bytes_down: int,
+        bytes_up: int,
+        started: float,
+        train_label_counts: list[int] | None = None,
+    ) -> dict[str, Any]:
+        """Aggregate the replies (client-id order), check, evaluate, record and checkpoint the round.
+
+        ``train_label_counts`` (the round's clients' labels, summed) is known where the server holds the
+        partition (the simulation); with the predicted-class histogram it is FedLMD Fig. 2's diagnostic.
+        """
+        train_seconds = time.perf_counter() - started
+        replies = {cid: replies[cid] for cid in sorted(replies)}
+        aggregate_start = time.perf_counter()
+        extra = self.algorithm.aggregate(self.server, info, replies)
+        # Aggregation plus any server-side refinement (FedFTG's fine-tune, DaFKD's or FedDF's distillation,
+        # FedGen's generator): what the server spends beside the clients' training (issue 15 compares them).
+        server_seconds = time.perf_counter() - aggregate_start
+        rnd = info.round
+        if not bool(torch.isfinite(get_flat(self.server.model)).all()):
+            self._diverged(rnd, info, "the global model became non-finite (NaN/inf)")
+        losses = [(float(r["train_loss"]), int(r.get("num_samples", 1))) for r in replies.values() if "train_loss" in r]
+        weight = sum(n for _, n in losses)
+        row: dict[str, Any] = {
+            "round": rnd,
+            "lr": info.lr,
+            "clients": len(replies),
+            "train_loss": sum(l * n for l, n in losses) / weight if weight else None,
+            "test_accuracy": None,
+            "test_loss": None,
+            "bytes_down": bytes_down,
+            "bytes_up": bytes_up,
+        }
+        eval_start = time.perf_counter()
+        evaluate_now = rnd % self.cfg.eval.every == 0 or rnd == self.cfg.rounds
+        if evaluate_now and not self.knowledge_exchange:
+            row["test_accuracy"], row["test_loss"], predictions, correct = self.evaluate_global_with_predictions(
+                per_sample=True
+            )
+            if not math.isfinite(row["test_loss"]):
+                # Finite weights can still give non-finite logits (e.g. BatchNorm statistics gone wrong).
+                self._diverged(rnd, info, f"its test loss is {row['test_loss']} (non-finite logits)")
+            row["prediction_counts"] = [int(v) for v in predictions]
+            row["prediction_kl_uniform"] = kl_from_uniform(predictions)
+            if self.algorithm.personal_model == "global" and self.client_test_indices is not None and not self.personal_on_clients:
+                row.update(personal_metrics({k: correct[ix] for k, ix in enumerate(self.client_test_indices)}))
+        if self.algorithm.personal_model == "local":
+            reports = {cid: r for cid, r in replies.items() if f"{EVAL_PREFIX}count" in r}
+            if reports:
+                row.update(personal_metrics_from_counts(reports))
+        on_clients = self.algorithm.personal_model == "assembled" or (
+            self.algorithm.personal_model == "global" and self.personal_on_clients and not self.knowledge_exchange
+        )
+        if on_clients and evaluate_now and self.cfg.partition.per_client_test:
+            row.update(self.evaluate_assembled(info, list(replies)))
+        row["bytes_weight_exchange"] = sum(self.weight_exchange_bytes[self.architectures[cid]] for cid in replies)
+        if train_label_counts is not None:
+            row["train_label_counts"] = [int(v) for v in train_label_counts]
+        row.update(extra)
+        row["train_seconds"] = train_seconds  # broadcast + local updates (+ transport) of all clients
+        row["server_seconds"] = server_seconds
+        row["eval_seconds"] = time.perf_counter() - eval_start
+        row["seconds"] = time.perf_counter() - started
+        self.state.round = rnd
+        self.state.history.append(row)
+        every = self.cfg.run.checkpoint_every
+        if (every and rnd % every == 0) or rnd == self.cfg.rounds:
+            self.save()
+        return row
+
+
