@@ -19,7 +19,7 @@ import sys
 import torch
 
 from fedistill.config import build_config, parse_override, read_yaml
-from fedistill.engine.simulation import Simulation
+from fedistill.simulation import Simulation
 from fedistill.runner import load_dataset_for
 
 
