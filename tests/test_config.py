@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from fedistill.config import build_config, parse_override
+from fedistill.config import build_config, parse_override, read_yaml
 from fedistill.errors import ConfigError
 
 
@@ -55,3 +55,36 @@ def test_set_path_into_a_scalar_is_an_error():
         build_config({"rounds": 5}, ["rounds.x=1"])
     with pytest.raises(ConfigError, match="rounds: Input should be a valid integer"):
         build_config({}, ["rounds.x=1"])
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [("1e-3", 0.001), ("5E4", 50000.0), ("-2e-1", -0.2), ("1.5e3", 1500.0), (".5", 0.5), ("0.1", 0.1), ("3", 3),
+     ("1_000", 1000), ("v1e3", "v1e3"), ("'1e-3'", "1e-3")],
+)  # fmt: skip
+def test_exponent_floats_are_numbers_as_in_yaml_1_2(text, expected):
+    """Issue 27: PyYAML's YAML 1.1 resolver reads 1e-3 as a string; config files, --set and presets read a number."""
+    from fedistill.config import load_yaml
+
+    value = load_yaml(f"x: {text}")["x"]
+    assert value == expected and type(value) is type(expected)
+
+
+def test_exponent_learning_rates_pass_in_a_file_and_in_set(tmp_path):
+    path = tmp_path / "exp.yaml"
+    path.write_text("local:\n  lr: 1e-3\nalgorithm:\n  name: dafkd\n")
+    cfg = build_config(read_yaml(path), dict([parse_override("algorithm.distill_lr=1e-4")]))
+    assert cfg.local.lr == 0.001 and cfg.algorithm.params_dict()["distill_lr"] == 0.0001
+
+
+def test_a_key_given_twice_is_an_error_naming_both_lines(tmp_path):
+    path = tmp_path / "twice.yaml"
+    path.write_text("seed: 1\nrounds: 2\nlocal:\n  lr: 0.1\nrounds: 3\n")
+    with pytest.raises(ConfigError, match=r"line 5.*'rounds' is given twice \(first on line 2\)"):
+        read_yaml(path)
+    path.write_text("local:\n  lr: 0.1\n  epochs: 2\n  lr: 0.2\n")
+    with pytest.raises(ConfigError, match=r"'lr' is given twice \(first on line 2\)"):
+        read_yaml(path)
+    # the same key in two different mappings is fine
+    path.write_text("local:\n  epochs: 2\neval:\n  every: 2\n")
+    assert read_yaml(path)["eval"]["every"] == 2

@@ -482,3 +482,14 @@ def test_a_server_model_a_weight_averaging_method_does_not_train_is_said_not_cla
     run = _run(tmp_path, "--set", "model.server=fd_server_mlp")
     assert "model.server (fd_server_mlp) is not used" in capsys.readouterr().err
     assert "fd_server_mlp" not in (run / "run.log").read_text()
+
+
+def test_a_run_name_too_long_for_a_directory_is_a_config_error(tmp_path, capsys):
+    """Issue 27: a 300-character name used to end with exit 1 and the operating system's message after the
+    checks; it is refused with the others (exit 2, one line), and 200 bytes (with "-seedN" to come) still pass."""
+    assert main(["run", *FAST, "--out", str(tmp_path), "--name", "x" * 300]) == 2
+    _one_line_error(capsys, "run.name", "300 bytes", "at most 200")
+    assert not any(tmp_path.iterdir())
+    assert main(["run", *FAST, "--out", str(tmp_path), "--name", "é" * 101]) == 2  # 202 bytes in UTF-8
+    _one_line_error(capsys, "202 bytes")
+    assert main(["run", *FAST, "--out", str(tmp_path), "--name", "x" * 200]) == 0

@@ -11,6 +11,7 @@ section) and its loading; split, the schema a user reads would be scattered.
 from __future__ import annotations
 
 import copy
+import re
 from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
@@ -50,12 +51,22 @@ MAX_ROUNDS = 1_000_000
 MAX_CLIENTS = 10_000_000
 
 
+MAX_RUN_NAME_BYTES = 200
+
+
 def check_run_name(name: str) -> None:
     """A run name is one directory name inside ``run.out_dir``: no separators, no ``..``, not absolute."""
     if not name or name in (".", "..") or "/" in name or "\\" in name or Path(name).is_absolute() or "\0" in name:
         raise ValueError(
             f"{name!r} must be a single directory name inside run.out_dir (no '/', no '..'); "
             "put the parent directory in run.out_dir (--out) instead"
+        )
+    size = len(name.encode("utf-8"))
+    if size > MAX_RUN_NAME_BYTES:
+        # File systems allow 255 bytes per name (ext4, APFS, NTFS); the seed groups add "-seedN" and reproduce
+        # its own suffixes, so a longer name would end in the operating system's error after the checks passed.
+        raise ValueError(
+            f"is {size} bytes long; a run name may have at most {MAX_RUN_NAME_BYTES} (it becomes a directory name)"
         )
 
 
@@ -398,6 +409,54 @@ def _set_path(tree: dict[str, Any], dotted: str, value: Any) -> None:
     node[keys[-1]] = value
 
 
+class ConfigLoader(yaml.SafeLoader):
+    """YAML as researchers write it (issue 27), for config files, ``--set`` values and presets alike.
+
+    - ``1e-3`` is a number: PyYAML resolves YAML 1.1, whose float needs a dot (``1.0e-3``), so ``lr: 1e-3`` was the
+      string ``'1e-3'`` and refused; YAML 1.2 (and JSON) read it as a float, and so does this loader.
+    - A key given twice in one mapping (``rounds: 2`` then ``rounds: 3``) is an error naming both lines, not the last
+      value kept silently.
+    """
+
+    def construct_mapping(self, node: yaml.Node, deep: bool = False) -> dict[Any, Any]:
+        if isinstance(node, yaml.MappingNode):
+            first_line: dict[Any, int] = {}
+            for key_node, _ in node.value:  # the keys written in this mapping (not those a << merge brings)
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    seen = first_line.get(key)
+                except TypeError:  # an unhashable key: the base class reports it
+                    continue
+                if seen is not None:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"key {key!r} is given twice (first on line {seen + 1}); keep one", key_node.start_mark
+                    )
+                first_line[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep=deep)
+
+
+# YAML 1.2's float: a dot or an exponent (1e-3, 5E4, .5, 1.), plus .inf/.nan; YAML 1.1's resolver stays for the rest.
+_YAML12_FLOAT = re.compile(
+    r"""^(?:[-+]?(?:[0-9][0-9_]*)?\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+    |[-+]?[0-9][0-9_]*[eE][-+]?[0-9]+
+    |[-+]?\.(?:inf|Inf|INF)
+    |\.(?:nan|NaN|NAN))$""",
+    re.X,
+)
+ConfigLoader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag != "tag:yaml.org,2002:float"]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+ConfigLoader.add_implicit_resolver("tag:yaml.org,2002:float", _YAML12_FLOAT, list("-+0123456789."))
+
+
+def load_yaml(text: str) -> Any:
+    """``text`` parsed with :class:`ConfigLoader` (exponent floats are numbers, duplicate keys are errors)."""
+    return yaml.load(text, Loader=ConfigLoader)  # noqa: S506  (ConfigLoader is a SafeLoader)
+
+
 def parse_override(text: str) -> tuple[str, Any]:
     """``key.sub=value`` with the value parsed as YAML (so 0.1 is a float, true a bool, [a, b] a list)."""
     if "=" not in text:
@@ -407,7 +466,7 @@ def parse_override(text: str) -> tuple[str, Any]:
     if not key:
         raise ConfigError(f"--set {text!r}: empty key")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else None
+        value = load_yaml(raw) if raw.strip() else None
     except yaml.YAMLError as exc:
         raise ConfigError(f"--set {key}: cannot parse value {raw!r} ({exc.__class__.__name__})") from None
     return key, value
@@ -417,7 +476,7 @@ def parse_yaml_text(path: str | Path, text: str, what: str | None = None) -> dic
     """A YAML mapping from ``text`` (read from ``path``); errors keep YAML's line and column."""
     what = what or str(path)
     try:
-        data = yaml.safe_load(text)
+        data = load_yaml(text)
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""

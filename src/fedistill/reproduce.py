@@ -28,6 +28,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from .config import load_yaml
 from .config import bundled_configs, bundled_configs_dir, build_config, find_config  # noqa: F401  (re-exported)
 from .errors import ConfigError
 
@@ -78,7 +79,7 @@ def config_summary(path: Path) -> str:
     from .config import Config
 
     try:
-        cfg = Config.model_validate(yaml.safe_load(path.read_text()) or {})
+        cfg = Config.model_validate(load_yaml(path.read_text()) or {})
     except (OSError, yaml.YAMLError, ValidationError, ConfigError) as exc:
         return f"not loadable ({exc.__class__.__name__})"
     p = cfg.partition
