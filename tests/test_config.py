@@ -88,3 +88,31 @@ def test_a_key_given_twice_is_an_error_naming_both_lines(tmp_path):
     # the same key in two different mappings is fine
     path.write_text("local:\n  epochs: 2\neval:\n  every: 2\n")
     assert read_yaml(path)["eval"]["every"] == 2
+
+
+def test_every_registered_method_builds_from_the_defaults_alone(digits):
+    """Issue 27: ``fedistill run --algorithm NAME`` on the default dataset refused fedgkt, feddkc, fedict (no
+    model.server, no split model) and pfedme (momentum 0.9). Each method's ``config_defaults`` fill what it needs;
+    the whole setup (models, architectures, partition) is built here for every registered name."""
+    from fedistill.registry import ALGORITHMS
+    from fedistill.simulation import Simulation
+
+    for name in ALGORITHMS:
+        cfg = build_config({"algorithm": {"name": name}, "rounds": 1, "run": {"progress": False}})
+        Simulation(cfg, digits).close()
+    assert build_config({"algorithm": "pfedme"}).local.momentum == 0.0
+    fd = build_config({"algorithm": "fedict"})
+    assert (fd.model.name, fd.model.server, fd.partition.per_client_test) == ("fd_resnet8", "fd_server_resnet56", True)
+
+
+def test_a_methods_defaults_never_override_what_the_user_set(tmp_path):
+    assert build_config({"algorithm": "fedavg"}).local.momentum == 0.9  # other methods keep the run's default
+    with pytest.raises(ConfigError, match="local.momentum: pfedme runs momentum-free"):
+        build_config({"algorithm": "pfedme", "local": {"momentum": 0.9}})
+    with pytest.raises(ConfigError, match="local.momentum"):
+        build_config({"algorithm": "pfedme"}, ["local.momentum=0.5"])
+    cfg = build_config({"algorithm": "fedgkt", "model": {"name": "fd_resnet4"}})
+    assert (cfg.model.name, cfg.model.server) == ("fd_resnet4", "fd_server_resnet56")
+    # named client architectures keep model.name unset (the run's own choice stays what it was)
+    tree = {"algorithm": "fedgkt", "model": {"clients": ["fd_resnet2", "fd_resnet4"]}}
+    assert build_config(tree).model.name is None

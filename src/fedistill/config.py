@@ -521,6 +521,7 @@ def build_config(
             key = "algorithm.name"
         _set_path(tree, key, value)
     overridden = [key for key, _ in items]
+    tree = _with_method_defaults(tree)
     try:
         try:
             cfg = Config.model_validate(tree)
@@ -535,6 +536,30 @@ def build_config(
             raise ConfigError(f"{source}: {message}") from None
         raise
     return cfg
+
+
+def _with_method_defaults(tree: dict[str, Any]) -> dict[str, Any]:
+    """``tree`` over the configured method's ``config_defaults`` (the registry's class; an unknown name is left
+    for validation to report): what the user set wins, the method fills only what was left unset."""
+    from . import algorithms as _algorithms  # noqa: F401  (registers algorithms)
+    from .registry import ALGORITHMS
+
+    section = tree.get("algorithm")
+    name = section.get("name", AlgorithmConfig.model_fields["name"].default) if isinstance(section, dict) else section
+    if not isinstance(name, str) or name not in ALGORITHMS:
+        return tree
+    return _merged(ALGORITHMS.get(name).config_defaults(tree), tree)
+
+
+def _merged(under: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """``over`` with the keys it lacks taken from ``under``, recursively into mappings present in both."""
+    out = copy.deepcopy(over)
+    for key, value in under.items():
+        if key not in out:
+            out[key] = copy.deepcopy(value)
+        elif isinstance(value, dict) and isinstance(out[key], dict):
+            out[key] = _merged(value, out[key])
+    return out
 
 
 def validate_names(cfg: Config) -> None:

@@ -176,6 +176,12 @@ class Algorithm:
     # weights, its group's model) and its own state (MTFL's private BatchNorm patch, DemLearn's own weights);
     # the engine then asks the client to evaluate it (an evaluation exchange, not counted as communication).
     personal_model: ClassVar[str] = "global"
+    @classmethod
+    def config_defaults(cls, tree: dict[str, Any]) -> dict[str, Any]:
+        """Settings this method needs where the run's defaults do not suit it, as a config tree (``{"local":
+        {"momentum": 0.0}}``), given the user's tree: applied under whatever the user set (config file, flags,
+        --set), so that ``fedistill run --algorithm NAME`` runs every method and an explicit value still wins."""
+        return {}
 
     def __init__(self, params: AlgorithmParams, local: Any) -> None:
         self.params = params

@@ -74,6 +74,16 @@ class FedGKT(Algorithm):
     name = "fedgkt"
     Params = FedGKTParams
     exchange: ClassVar[str] = "knowledge"
+    @classmethod
+    def config_defaults(cls, tree: dict[str, Any]) -> dict[str, Any]:
+        """An extractor/predictor split is required (the default dataset's digits_cnn has none): the FedICT paper's
+        A^C_3 client (unless model.clients or model.client_mix name them) and its ResNet-56 server predictor; and
+        per-client test splits, since there is no global model to test."""
+        model = tree.get("model") if isinstance(tree.get("model"), dict) else {}
+        defaults: dict[str, Any] = {"model": {"server": "fd_server_resnet56"}, "partition": {"per_client_test": True}}
+        if not (model.get("clients") or model.get("client_mix")):
+            defaults["model"]["name"] = "fd_resnet8"
+        return defaults
     personal_model: ClassVar[str] = "local"
     # Labels travel with every upload (FedGKT's Algorithm 1); FedICT sends them once at setup.
     labels_every_round: ClassVar[bool] = True

@@ -99,6 +99,10 @@ class ServerMixing(ServerOptimizer):
 @ALGORITHMS.register("pfedme")
 class PFedMe(FedAvg):
     """pFedMe: clients solve a proximal (Moreau-envelope) problem for θ_k, the server averages their w_k."""
+    @classmethod
+    def config_defaults(cls, tree: dict[str, Any]) -> dict[str, Any]:
+        """Momentum-free inner steps and w-update (protocol §0): the run's default momentum 0.9 would be refused."""
+        return {"local": {"momentum": 0.0}}
 
     name = "pfedme"
     Params = PFedMeParams
