@@ -61,3 +61,45 @@ def test_a_method_of_ones_own_registered_from_outside_runs_by_name(tmp_path, mon
     accuracies = [row["test_accuracy"] for row in frozen.history]
     assert accuracies[0] == accuracies[1] and moving.history[1]["test_accuracy"] != accuracies[1]
     assert frozen.config["algorithm"]["name"] == "frozen_global"
+
+
+PLUGIN = '''
+import torch
+import fedistill
+from fedistill.algorithms.fedavg import FedAvg
+
+
+@fedistill.register_algorithm("plugin_frozen", help="FedAvg that keeps the initial global model")
+class PluginFrozen(FedAvg):
+    def aggregate(self, server, info, replies):
+        before = [p.detach().clone() for p in server.model.parameters()]
+        super().aggregate(server, info, replies)
+        with torch.no_grad():
+            for p, old in zip(server.model.parameters(), before):
+                p.copy_(old)
+        return {}
+'''
+
+
+def test_cli_plugin_file_registers_a_method_for_the_run_and_its_child_processes(tmp_path, monkeypatch, capsys):
+    """``fedistill run --plugin FILE.py``: the file's method runs by name, and $FEDISTILL_PLUGINS carries it to
+    processes the run starts; a missing plugin is a one-line error with exit 2."""
+    from fedistill import plugins
+    from fedistill.cli import main
+
+    monkeypatch.setattr(ALGORITHMS, "_entries", dict(ALGORITHMS._entries))
+    monkeypatch.setattr(ALGORITHMS, "_help", dict(ALGORITHMS._help))
+    monkeypatch.setattr(plugins, "_loaded", set())
+    monkeypatch.setenv(plugins.PLUGIN_ENV, "")  # restored (unset) after the test, whatever --plugin adds
+    path = tmp_path / "my_method.py"
+    path.write_text(PLUGIN)
+    fast = ["--rounds", "2", "--clients", "6", "--clients-per-round", "3", "--epochs", "1", "--no-progress"]
+    assert main(["run", "--plugin", str(path), "--algorithm", "plugin_frozen", *fast, "--out", str(tmp_path), "--name", "p"]) == 0
+    result = fedistill.load_run(tmp_path / "p")
+    assert result.config["algorithm"]["name"] == "plugin_frozen"
+    assert result.history[0]["test_accuracy"] == result.history[1]["test_accuracy"]
+    assert str(path.resolve()) in plugins.os.environ[plugins.PLUGIN_ENV]
+    capsys.readouterr()
+    assert main(["run", "--plugin", str(tmp_path / "missing.py"), *fast, "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: plugin") and "no such file" in err and "\n" not in err.strip()

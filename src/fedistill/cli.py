@@ -232,6 +232,10 @@ def _verbosity_flags() -> argparse.ArgumentParser:
     flags = argparse.ArgumentParser(add_help=False)
     flags.add_argument("-v", "--verbose", action="count", default=argparse.SUPPRESS, help="more log messages (-vv: debug)")
     flags.add_argument("-q", "--quiet", action="count", default=argparse.SUPPRESS, help="only warnings, errors and the summary (no per-round lines)")
+    flags.add_argument(
+        "--plugin", action="append", default=argparse.SUPPRESS, metavar="FILE.py|MODULE",
+        help="import a file or module that registers a method, dataset, model or partition of your own (repeatable)",
+    )  # fmt: skip
     return flags
 
 
@@ -339,6 +343,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     # shut down (the default action killed this process alone and left the workers running), exit 143.
     previous = signal.signal(signal.SIGTERM, _raise_terminated) if _in_main_thread() else None
     try:
+        from .plugins import add_plugins
+
+        add_plugins(getattr(args, "plugin", []))  # before any config is read: their names must be known
         return handlers[args.command](args)
     except TrainingDiverged as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -542,8 +542,10 @@ def _with_method_defaults(tree: dict[str, Any]) -> dict[str, Any]:
     """``tree`` over the configured method's ``config_defaults`` (the registry's class; an unknown name is left
     for validation to report): what the user set wins, the method fills only what was left unset."""
     from . import algorithms as _algorithms  # noqa: F401  (registers algorithms)
+    from .plugins import load_plugins
     from .registry import ALGORITHMS
 
+    load_plugins()  # a plugin's method, dataset, model or partition is known before the names are checked
     section = tree.get("algorithm")
     name = section.get("name", AlgorithmConfig.model_fields["name"].default) if isinstance(section, dict) else section
     if not isinstance(name, str) or name not in ALGORITHMS:

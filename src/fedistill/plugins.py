@@ -1,0 +1,69 @@
+"""Plugins: a method, dataset, model or partition of one's own, registered from outside the package (issue 27).
+
+A plugin is a Python file or an importable module that registers what it defines with ``fedistill.register_*``
+when imported. Three ways in, all loaded before a configuration is validated:
+
+- ``fedistill run --plugin my_method.py`` (or a module name; repeatable, also on ``reproduce`` and ``list``);
+- ``$FEDISTILL_PLUGINS``: the same entries separated by ``os.pathsep``. ``--plugin`` adds to it, so that worker
+  processes (``run.workers``) and anything else started from the run import the same plugins;
+- an installed package's entry point in the group ``fedistill.plugins`` (``[project.entry-points."fedistill.plugins"]
+  my_method = "my_package.my_method"``).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+from .errors import ConfigError
+
+PLUGIN_ENV = "FEDISTILL_PLUGINS"
+ENTRY_POINT_GROUP = "fedistill.plugins"
+_loaded: set[str] = set()
+
+
+def add_plugins(entries: list[str]) -> None:
+    """Load ``entries`` now and pass them on to child processes through ``$FEDISTILL_PLUGINS``."""
+    current = [e for e in os.environ.get(PLUGIN_ENV, "").split(os.pathsep) if e]
+    for entry in entries:
+        resolved = str(Path(entry).resolve()) if entry.endswith(".py") else entry
+        if resolved not in current:
+            current.append(resolved)
+    os.environ[PLUGIN_ENV] = os.pathsep.join(current)
+    load_plugins()
+
+
+def load_plugins() -> None:
+    """Import every plugin of ``$FEDISTILL_PLUGINS`` and of the installed entry points (each once per process)."""
+    for entry in (e for e in os.environ.get(PLUGIN_ENV, "").split(os.pathsep) if e):
+        _load(entry, f"plugin {entry}")
+    for point in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+        _load(point.value, f"plugin {point.name} (entry point {point.value} of an installed package)")
+
+
+def _load(entry: str, what: str) -> None:
+    if entry in _loaded:
+        return
+    _loaded.add(entry)  # before importing: a plugin that fails is reported once, not on every config
+    try:
+        if entry.endswith(".py"):
+            path = Path(entry)
+            if not path.is_file():
+                raise ConfigError(f"{what}: no such file (give the path of a .py file or an importable module name)")
+            name = f"fedistill_plugin_{path.stem}"
+            spec = importlib.util.spec_from_file_location(name, path)
+            assert spec is not None and spec.loader is not None
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[name] = module  # pickling a plugin class (worker processes) finds its module
+            spec.loader.exec_module(module)
+        else:
+            importlib.import_module(entry.split(":")[0])
+    except ConfigError:
+        _loaded.discard(entry)
+        raise
+    except Exception as exc:  # the plugin's own code failed: say which plugin, in one line
+        raise ConfigError(f"{what}: importing it failed: {type(exc).__name__}: {exc}") from exc
