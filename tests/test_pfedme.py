@@ -220,8 +220,11 @@ def test_parameters_default_to_the_card():
 
 
 def test_local_momentum_is_refused_when_the_config_is_built():
+    """An explicit momentum is refused when the config is built; left unset, pFedMe's own default (0) replaces the
+    run's 0.9 (issue 27: `fedistill run --algorithm pfedme` runs on the defaults)."""
     with pytest.raises(ConfigError, match="local.momentum: pfedme runs momentum-free"):
-        small_config(algorithm="pfedme")  # local.momentum defaults to 0.9
+        small_config(algorithm="pfedme", **{"local.momentum": 0.9})
+    assert small_config(algorithm="pfedme").local.momentum == 0.0
 
 
 @pytest.mark.parametrize(
