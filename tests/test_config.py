@@ -60,7 +60,8 @@ def test_set_path_into_a_scalar_is_an_error():
 @pytest.mark.parametrize(
     "text, expected",
     [("1e-3", 0.001), ("5E4", 50000.0), ("-2e-1", -0.2), ("1.5e3", 1500.0), (".5", 0.5), ("0.1", 0.1), ("3", 3),
-     ("1_000", 1000), ("v1e3", "v1e3"), ("'1e-3'", "1e-3")],
+     ("1_000", 1000), ("v1e3", "v1e3"), ("'1e-3'", "1e-3"), (".", "."), ("-.", "-."), ("1.0.0", "1.0.0"),
+     ("-.5e2", -50.0)],
 )  # fmt: skip
 def test_exponent_floats_are_numbers_as_in_yaml_1_2(text, expected):
     """Issue 27: PyYAML's YAML 1.1 resolver reads 1e-3 as a string; config files, --set and presets read a number."""

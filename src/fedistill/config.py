@@ -439,7 +439,8 @@ class ConfigLoader(yaml.SafeLoader):
 
 # YAML 1.2's float: a dot or an exponent (1e-3, 5E4, .5, 1.), plus .inf/.nan; YAML 1.1's resolver stays for the rest.
 _YAML12_FLOAT = re.compile(
-    r"""^(?:[-+]?(?:[0-9][0-9_]*)?\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+    r"""^(?:[-+]?[0-9][0-9_]*\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+    |[-+]?\.[0-9][0-9_]*(?:[eE][-+]?[0-9]+)?
     |[-+]?[0-9][0-9_]*[eE][-+]?[0-9]+
     |[-+]?\.(?:inf|Inf|INF)
     |\.(?:nan|NaN|NAN))$""",
