@@ -4,7 +4,6 @@ from outside the package."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 import fedistill
 from fedistill.registry import ALGORITHMS
@@ -38,31 +37,6 @@ def test_make_config_reads_paths_dicts_and_keyword_overrides():
         fedistill.make_config(TINY, local={"lr": -1})
 
 
-def test_a_method_of_ones_own_registered_from_outside_runs_by_name(tmp_path, monkeypatch):
-    """A user's file: subclass, register, run by name. This one keeps the global model (no aggregation), so every
-    round's accuracy is the initial model's: a run that used FedAvg instead would change it."""
-    monkeypatch.setattr(ALGORITHMS, "_entries", dict(ALGORITHMS._entries))
-    monkeypatch.setattr(ALGORITHMS, "_help", dict(ALGORITHMS._help))
-    from fedistill.algorithms.fedavg import FedAvg
-
-    @fedistill.register_algorithm("frozen_global", help="FedAvg that never updates the global model")
-    class FrozenGlobal(FedAvg):
-        def aggregate(self, server, info, replies):
-            before = [p.detach().clone() for p in server.model.parameters()]
-            super().aggregate(server, info, replies)
-            with torch.no_grad():
-                for p, old in zip(server.model.parameters(), before):
-                    p.copy_(old)
-            return {}
-
-    assert FrozenGlobal.name == "frozen_global" and "frozen_global" in ALGORITHMS
-    frozen = fedistill.run(TINY, algorithm="frozen_global", out_dir=str(tmp_path), name="frozen", threads=1)
-    moving = fedistill.run(TINY, algorithm="fedavg", out_dir=str(tmp_path), name="fedavg", threads=1)
-    accuracies = [row["test_accuracy"] for row in frozen.history]
-    assert accuracies[0] == accuracies[1] and moving.history[1]["test_accuracy"] != accuracies[1]
-    assert frozen.config["algorithm"]["name"] == "frozen_global"
-
-
 PLUGIN = '''
 import torch
 import fedistill
@@ -79,6 +53,22 @@ class PluginFrozen(FedAvg):
                 p.copy_(old)
         return {}
 '''
+
+
+def test_a_method_of_ones_own_registered_from_outside_runs_by_name(tmp_path, monkeypatch):
+    """A user's code: subclass, register, run by name (the plugin file below, executed here as a script would
+    run it). It keeps the global model (no aggregation), so every round's accuracy is the initial model's: a run
+    that used FedAvg instead would change it."""
+    monkeypatch.setattr(ALGORITHMS, "_entries", dict(ALGORITHMS._entries))
+    monkeypatch.setattr(ALGORITHMS, "_help", dict(ALGORITHMS._help))
+    namespace: dict = {}
+    exec(compile(PLUGIN, "my_method.py", "exec"), namespace)  # noqa: S102  (the test's own source)
+    assert namespace["PluginFrozen"].name == "plugin_frozen" and "plugin_frozen" in ALGORITHMS
+    frozen = fedistill.run(TINY, algorithm="plugin_frozen", out_dir=str(tmp_path), name="frozen", threads=1)
+    moving = fedistill.run(TINY, algorithm="fedavg", out_dir=str(tmp_path), name="fedavg", threads=1)
+    accuracies = [row["test_accuracy"] for row in frozen.history]
+    assert accuracies[0] == accuracies[1] and moving.history[1]["test_accuracy"] != accuracies[1]
+    assert frozen.config["algorithm"]["name"] == "plugin_frozen"
 
 
 def test_cli_plugin_file_registers_a_method_for_the_run_and_its_child_processes(tmp_path, monkeypatch, capsys):
