@@ -391,6 +391,8 @@ def test_generator_output_is_read_as_pixels_and_normalised_like_the_data(digits)
     """Code profile point 1: tanh's −1, 0, 1 are the authors' pixels 0, ½, 1, normalised with the run's
     mean/std ((p − 0.3)/0.4 for digits); ``generator_output: tanh`` feeds the raw output."""
     scale, shift = output_map((0.3,), (0.4,), (1, 8, 8), torch.device("cpu"))
+    with pytest.raises(ConfigError, match="generator_output: tanh"):  # no silent guess of the normalisation
+        output_map((), (), (1, 8, 8), torch.device("cpu"))
     g = torch.tensor([-1.0, 0.0, 1.0]).view(1, 1, 1, 3)
     assert torch.allclose(g * scale + shift, torch.tensor([(0 - 0.3) / 0.4, (0.5 - 0.3) / 0.4, (1 - 0.3) / 0.4]).view(1, 1, 1, 3))
     for output, low, high in (("data", -0.75, 1.75), ("tanh", -1.0, 1.0)):

@@ -139,7 +139,7 @@ class ServerContext:
     data_verify: bool = True  # the run's dataset.verify: check that dataset's md5s
     data_resize: int | None = None  # the run's dataset.resize: a server-side dataset gets the same resize
     # The run's per-channel normalisation (on the [0, 1] pixel scale): a server-side generator that emits pixels
-    # maps them into the models' input space with it (DaFKD's code profile). Empty: unknown, data taken as [-1, 1].
+    # maps them into the models' input space with it (DaFKD's code profile). Empty: unknown (DaFKD then refuses).
     input_mean: tuple[float, ...] = ()
     input_std: tuple[float, ...] = ()
 

@@ -62,6 +62,7 @@ from pydantic import Field, model_validator
 from torch import nn
 
 from ..engine.seeding import DAFKD, derive_seed
+from ..errors import ConfigError
 from ..losses import (
     discriminator_loss,
     domain_aware_distillation,
@@ -136,16 +137,6 @@ PROFILES["default"] = {
     "client_lr": None,
     "client_weight_decay": None,
 }
-# The ablation groups of the fidelity issue: which switches make up each of the code profile's points.
-PROFILE_POINTS: dict[str, tuple[str, ...]] = {
-    "generator_output": ("generator_output",),
-    "gan_schedule": ("discriminator_rounds", "generator_rounds", "gan_epochs", "gradient_penalty"),
-    "train_mode_samples": ("distill_bn_mode",),
-    "logits_t20": ("ensemble_space", "temperature", "kd_reduction"),
-    "adam_1e-4": ("client_optimizer", "client_lr", "client_weight_decay", "generator_lr", "generator_weight_decay", "distill_lr"),
-}
-
-
 class DaFKDParams(FedAvgParams):
     profile: Literal["default", "code", "paper"] = Field(
         "default",
@@ -417,8 +408,7 @@ class DaFKD(FedAvg):
             optimizer = torch.optim.SGD(
                 joint_params, lr=lr, momentum=self.local.momentum, weight_decay=weight_decay, **fused(client.device)
             )
-        data = client.data.dataset
-        to_data = output_map(data.mean, data.std, tuple(client.model.input_shape), client.device)
+        to_data = client_output_map(client)
         generator_params = list(generator.parameters())
         # The card's generator optimiser: Adam(0.5, 0.99), amsgrad; fresh each round on the local copy θ_k^g.
         optimizer_g = torch.optim.Adam(
@@ -526,8 +516,7 @@ class DaFKD(FedAvg):
         """Appendix B: ``f_k(x_i)·v_k(x_i)`` and ``f_k(x_i)`` on the round's regenerated inputs (float64)."""
         p = self.params
         generator = self._worker_generator(client, msg["generator"])  # θ_g^t again, not the local copy
-        data = client.data.dataset
-        to_data = output_map(data.mean, data.std, tuple(client.model.input_shape), client.device)
+        to_data = client_output_map(client)
         x = self.distill_inputs(generator, int(msg["distill_seed"]), client.device, client.precision, to_data)
         with torch.no_grad(), autocast_context(client.precision, client.device):
             logits, disc_logits = self.score_inputs(client.model, discriminator, x)
@@ -545,14 +534,23 @@ def output_map(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(scale, shift)`` with ``((g + 1)/2 − mean)/std = g·scale + shift`` per channel, shaped (1, C, 1, 1).
 
-    Empty ``mean``/``std`` (a context that does not know the data's normalisation) mean data already in
-    [-1, 1] (mean = std = 0.5), where the map is the identity."""
-    channels = input_shape[0] if input_shape else 1
-    m = torch.tensor(mean if mean else (0.5,) * channels, dtype=torch.float32)
-    s = torch.tensor(std if std else (0.5,) * channels, dtype=torch.float32)
+    The normalisation must be known: guessing would feed the models inputs on another scale without a word."""
+    if not mean or not std or len(mean) != len(std):
+        raise ConfigError(
+            "algorithm.generator_output: data maps the generator's pixels with the run's per-channel mean and std, "
+            f"which this context does not give (mean {mean!r}, std {std!r}); use generator_output: tanh"
+        )
+    m = torch.tensor(mean, dtype=torch.float32)
+    s = torch.tensor(std, dtype=torch.float32)
     scale = (0.5 / s).view(1, -1, 1, 1)
     shift = ((0.5 - m) / s).view(1, -1, 1, 1)
     return scale.to(device), shift.to(device)
+
+
+def client_output_map(client: ClientContext) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`output_map` with the client's dataset normalisation."""
+    data = client.data.dataset
+    return output_map(data.mean, data.std, tuple(client.model.input_shape), client.device)
 
 
 def named_flat(model: nn.Module, vector: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -93,6 +93,13 @@ __all__ = [
     "load_cinic10",
     "load_digits",
     "load_synthetic",
+    # the format modules' constants, still importable from here as before the split
+    "CIFAR10_ARCHIVE",
+    "CIFAR100_ARCHIVE",
+    "DIGITS_SEED",
+    "DIGITS_TEST_FRACTION",
+    "EMNIST_ARCHIVE",
+    "EMNIST_ARCHIVE_FOLDER",
 ]
 
 DEFAULT_DATA_DIR = "data"
