@@ -39,10 +39,14 @@ def test_off_a_terminal_every_round_prints_one_line_at_once_and_run_log_has_them
     assert "finished: final global accuracy" in log[-1]
 
 
-def test_quiet_keeps_the_rounds_out_of_the_console_but_not_out_of_run_log(tmp_path, capsys):
+def test_quiet_keeps_the_rounds_out_of_the_console_but_not_out_of_run_log(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("COLUMNS", raising=False)  # off a terminal with no width given: rich's 80 columns
     assert main(["-q", *RUN, "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "round 1/3" not in out and "summary" in out
+    summary = out.splitlines()[out.splitlines().index("summary"):]
+    assert len(summary) >= 3 and max(map(len, summary)) <= 80, summary  # a log file's summary fits 80 columns
+    assert "final acc %" in out and "best round" in out
     assert "round 3/3" in (only_run_dir(tmp_path) / "run.log").read_text()
 
 

@@ -201,7 +201,7 @@ def cmd_list(args: argparse.Namespace) -> int:
 
     from .runner import make_console
 
-    console = make_console()
+    console = make_console(wide=True)
     registries = (
         ("algorithms", ALGORITHMS), ("datasets", DATASETS), ("models", MODELS), ("generators", GENERATORS),
         ("partitions", PARTITIONS),

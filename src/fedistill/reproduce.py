@@ -55,6 +55,17 @@ class Published(_Strict):
     note: str | None = None  # "Failed", "not in the paper", ...
 
 
+class ClaimSpec(_Strict):
+    """A claim to test over seeds (report/claims.py): ``claim: "FedICT > FedDKC > FedGKT"``."""
+
+    claim: str
+    metric: str = "final"
+    margin: float | None = None  # "~" claims: the equivalence margin in the metric's units
+    columns: list[str] | None = None  # default: every column
+    paper: str | None = None  # where the paper claims it (table, section)
+    note: str | None = None
+
+
 class Preset(_Strict):
     name: str
     title: str
@@ -66,6 +77,12 @@ class Preset(_Strict):
     methods: dict[str, MethodSpec]
     published: dict[str, dict[str, Published]] = Field(default_factory=dict)
     notes: list[str] = Field(default_factory=list)
+    claims: list[ClaimSpec] = Field(default_factory=list)
+
+    def parsed_claims(self):
+        from .report.claims import parse_claim
+
+        return [parse_claim(c.claim, c.metric, c.margin, c.columns, c.paper, c.note) for c in self.claims]
 
 
 def preset_search_path() -> list[Path]:
@@ -140,6 +157,19 @@ def load_preset(name_or_path: str) -> Preset:
             raise ConfigError(f"reproduce: preset {path}: method {method} names unknown columns {sorted(unknown)}")
     if preset.reference_method not in preset.methods:
         raise ConfigError(f"reproduce: preset {path}: reference method {preset.reference_method} is not among its methods")
+    try:
+        claims = preset.parsed_claims()
+    except ConfigError as exc:
+        raise ConfigError(f"reproduce: preset {path}: {exc}") from None
+    for claim in claims:
+        unknown = [m for m in claim.methods if m not in preset.methods]
+        unknown_columns = [c for c in claim.columns or () if c not in preset.columns]
+        if unknown or unknown_columns:
+            what = f"methods {', '.join(unknown)}" if unknown else f"columns {', '.join(unknown_columns)}"
+            raise ConfigError(
+                f"reproduce: preset {path}: claim {claim.text!r} names {what} the preset does not have "
+                f"(methods: {', '.join(preset.methods)}; columns: {', '.join(preset.columns)})"
+            )
     return preset
 
 
@@ -267,7 +297,7 @@ def reproduce(
     """Run (or reuse) every selected run, then write and return the comparison table rows."""
     from .runner import make_console
 
-    console = console or make_console()
+    console = console or make_console(wide=True)
     from .report.groups import check_seeds
 
     rounds = rounds or preset.paper_rounds
@@ -319,8 +349,12 @@ def reproduce(
             weight_exchange_bytes_per_round=statistics.fmean(weights) if len(weights) == len(rows) and rows else None,
         )  # fmt: skip
     table = comparison_rows(preset, results, columns, methods, seeds, rounds)
-    write_tables(preset, table, root, rounds, seeds)
+    from .report.claims import claim_rows, print_claims
+
+    claims = claim_rows(preset, results, columns, seeds)
+    write_tables(preset, table, root, rounds, seeds, claims)
     print_table(console, preset, table, rounds, seeds, root)
+    print_claims(console, claims, root)
     return table
 
 
@@ -397,7 +431,7 @@ def _published(row: dict[str, Any]) -> str:
     return f"{row['published_accuracy']:.2f}{speed}" + (f" {row['published_note']}" if row["published_note"] else "")
 
 
-def markdown_table(preset: Preset, rows: list[dict[str, Any]], rounds: int, seeds: list[int]) -> str:
+def markdown_table(preset: Preset, rows: list[dict[str, Any]], rounds: int, seeds: list[int], claims: list[dict[str, Any]] | None = None) -> str:
     out = io.StringIO()
     out.write(f"# {preset.title}\n\n{preset.source}\n\n")
     out.write(
@@ -411,6 +445,16 @@ def markdown_table(preset: Preset, rows: list[dict[str, Any]], rounds: int, seed
         out.write(f"- {note}\n")
     if preset.notes:
         out.write("\n")
+    if claims:
+        from .report.claims import claims_markdown
+
+        out.write(
+            "## Claims\n\nEach claim paired over the seeds both methods ran (same seed, same partition): the mean "
+            "difference with its 95 % t-interval; holds = the interval excludes 0 in the claimed direction (for "
+            "'~': lies within the margin), does not hold = it excludes 0 the other way (for '~': lies outside the "
+            "margin), inconclusive otherwise.\n\n"
+        )
+        out.write(claims_markdown(claims) + "\n")
     for column in dict.fromkeys(r["column"] for r in rows):
         part = [r for r in rows if r["column"] == column]
         out.write(f"## {part[0]['setting']}\n\n")
@@ -437,9 +481,13 @@ def markdown_table(preset: Preset, rows: list[dict[str, Any]], rounds: int, seed
     return out.getvalue()
 
 
-def write_tables(preset: Preset, rows: list[dict[str, Any]], root: Path, rounds: int, seeds: list[int]) -> None:
+def write_tables(preset: Preset, rows: list[dict[str, Any]], root: Path, rounds: int, seeds: list[int], claims: list[dict[str, Any]] | None = None) -> None:
     root.mkdir(parents=True, exist_ok=True)
-    (root / "table.md").write_text(markdown_table(preset, rows, rounds, seeds))
+    (root / "table.md").write_text(markdown_table(preset, rows, rounds, seeds, claims))
+    if claims:
+        from .report.claims import claims_records
+
+        (root / "claims.json").write_text(json.dumps(claims_records(claims), indent=1))
     with open(root / "table.csv", "w", newline="") as fh:
         writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
         writer.writeheader()

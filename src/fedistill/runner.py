@@ -35,10 +35,12 @@ def tensorboard_writer_class() -> Any:
     return SummaryWriter
 
 
-def make_console() -> Console:
-    """A console for our tables: at least 150 columns when output is not a terminal (logs, CI)."""
+def make_console(wide: bool = False) -> Console:
+    """A console for our tables. Off a terminal (logs, CI, nohup) rich uses ``$COLUMNS`` or 80 columns, which
+    a run's summary fits (:func:`print_summary` wraps under 110); ``wide`` tables with many columns that
+    must stay one row per method (``compare``, ``reproduce``, ``list``) get at least 150 there instead."""
     console = Console()
-    return console if console.is_terminal else Console(width=max(console.width, 150))
+    return console if console.is_terminal or not wide else Console(width=max(console.width, 150))
 
 
 def _fmt(x: Any, spec: str = ".2f") -> str:
@@ -436,7 +438,7 @@ def compare_runs(paths: list[str], out: Path | None = None, target: float | None
     from .report.groups import group_members, group_summary, mean_curve
     from .report.plots import check_figure_path
 
-    console = console or make_console()
+    console = console or make_console(wide=True)
     out = check_figure_path("--out", out or Path("compare.png"))
     if target is not None and not (math.isfinite(target) and 0 < target <= 100):
         raise ConfigError(f"--target: {target} is not an accuracy in percent; give a number above 0 and at most 100")
@@ -506,7 +508,7 @@ def show_partition(args: argparse.Namespace, console: Console | None = None) -> 
     from .data.partition import partition_stats
     from .engine.federation import build_federation
 
-    console = console or make_console()
+    console = console or make_console(wide=True)
     overrides: dict[str, Any] = {}
     for key in vars(args):
         if key.startswith(("dataset.", "partition.")) or key == "seed":

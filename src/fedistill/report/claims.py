@@ -1,0 +1,345 @@
+"""The papers' comparative claims, tested over seeds: paired differences, their 95 % intervals, a verdict.
+
+A reproduce preset may list ``claims``: ``"FedICT > FedDKC > FedGKT"``, ``"FedLMD-Tf ~ FedLMD"``,
+``"FedICT < FedAvg"`` with ``metric: mb`` (traffic). Each claim is read as a chain of pairwise links between
+adjacent methods; a link is tested on every column the claim names (all of the preset's columns by default)
+from the seeds both methods ran, pairing the runs by seed (same seed, same partition and initialisation):
+
+    d_s = m_A(s) - m_B(s),  mean d = (1/n) sum_s d_s,  s_d = sample std (n - 1),
+    95 % interval  mean d -/+ t_{0.975, n-1} s_d / sqrt(n)   (Student's t; the paired t-interval)
+
+and the verdict of a link, in the metric's own units (accuracy points, MB, seconds):
+
+    A > B   holds when the interval lies above 0, does not hold when it lies below 0, else inconclusive;
+    A < B   the mirror image;
+    A ~ B   (within ``margin``) holds when the interval lies inside [-margin, margin], does not hold when it
+            lies wholly outside it, else inconclusive (two one-sided tests at 2.5 % each, in interval form).
+
+A chain holds on a column when every link holds, does not hold when any link does not hold, and is
+inconclusive otherwise; fewer than two paired seeds make a link inconclusive (no interval). With 3 seeds
+t_{0.975, 2} = 4.30: the interval is wide, and an ordering of methods that differ by a point needs the seeds
+to agree closely; "inconclusive" says exactly that, not that the claim is false.
+
+Runs that diverged have no final accuracy to pair; their seeds are left out of the links that need them,
+and the row says so.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import statistics
+from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+from ..errors import ConfigError
+
+__all__ = [
+    "METRICS", "HOLDS", "DOES_NOT_HOLD", "INCONCLUSIVE", "Claim", "parse_claim", "t_quantile_975",
+    "paired_interval", "link_verdict", "chain_verdict", "evaluate_claims", "claims_markdown", "claims_records",
+    "claim_rows", "print_claims", "run_value",
+]  # fmt: skip
+
+HOLDS, DOES_NOT_HOLD, INCONCLUSIVE = "holds", "does not hold", "inconclusive"
+
+# metric name -> (description, unit); the values come from reproduce's RunResult (see METRIC_READERS there).
+METRICS: dict[str, tuple[str, str]] = {
+    "final": ("final accuracy", "points"),
+    "best": ("best accuracy", "points"),
+    "mb": ("MB per round, down + up", "MB"),
+    "seconds": ("seconds per round", "s"),
+}
+
+# Two-sided 95 % quantiles of Student's t for 1-30 degrees of freedom (any statistics table).
+_T975 = (
+    12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
+    2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042,
+)  # fmt: skip
+
+
+def t_quantile_975(df: int) -> float:
+    """t_{0.975, df}: the table up to 30 degrees of freedom, beyond it the Cornish-Fisher expansion around
+    the normal quantile 1.95996 (error under 1e-4 from df 30 on)."""
+    if df < 1:
+        raise ValueError(f"t quantile: {df} degrees of freedom; an interval needs at least 2 paired values")
+    if df <= len(_T975):
+        return _T975[df - 1]
+    z = 1.959964
+    return z + (z**3 + z) / (4 * df) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * df**2)
+
+
+@dataclass(frozen=True)
+class Claim:
+    """One claim of a preset: ``methods[0] relations[0] methods[1] relations[1] ...``."""
+
+    text: str
+    methods: tuple[str, ...]
+    relations: tuple[str, ...]  # ">", "<" or "~" between methods[i] and methods[i + 1]
+    metric: str = "final"
+    margin: float | None = None  # "~" only: the equivalence margin in the metric's units
+    columns: tuple[str, ...] | None = None  # None: every column of the preset
+    paper: str | None = None  # where the paper makes the claim
+    note: str | None = None
+
+    @property
+    def links(self) -> list[tuple[str, str, str]]:
+        return [(self.methods[i], self.relations[i], self.methods[i + 1]) for i in range(len(self.relations))]
+
+
+_RELATION = re.compile(r"\s+(>|<|~|≈)\s+")
+
+
+def parse_claim(text: str, metric: str = "final", margin: float | None = None, columns: Sequence[str] | None = None,
+                paper: str | None = None, note: str | None = None) -> Claim:  # fmt: skip
+    """``"A > B > C"`` (methods named as in the preset; a relation needs a space on each side, so method
+    names may hold ``+``, ``-`` and spaces) into a :class:`Claim`; ``≈`` is read as ``~``."""
+    parts = _RELATION.split(text.strip())
+    methods, relations = tuple(p.strip() for p in parts[0::2]), tuple("~" if r == "≈" else r for r in parts[1::2])
+    if len(methods) < 2 or any(not m for m in methods):
+        raise ConfigError(
+            f"claim {text!r}: write it as methods joined by ' > ', ' < ' or ' ~ ' with a space on each side, "
+            "e.g. 'FedICT > FedDKC > FedGKT'"
+        )
+    if metric not in METRICS:
+        raise ConfigError(f"claim {text!r}: metric {metric!r} is not one of {', '.join(METRICS)}")
+    if "~" in relations:
+        if margin is None or not (math.isfinite(margin) and margin > 0):
+            raise ConfigError(f"claim {text!r}: '~' needs a positive margin (in {METRICS[metric][1]}), e.g. margin: 1.0")
+    elif margin is not None:
+        raise ConfigError(f"claim {text!r}: margin applies to '~' only; this claim has none")
+    if len(set(methods)) != len(methods):
+        raise ConfigError(f"claim {text!r}: a method appears twice")
+    return Claim(text.strip(), methods, relations, metric, margin, tuple(columns) if columns else None, paper, note)
+
+
+@dataclass
+class Interval:
+    """The paired difference of one link on one column."""
+
+    n: int
+    mean: float | None
+    std: float | None
+    low: float | None
+    high: float | None
+    a_wins: int  # seeds where the first method's value is above the second's
+
+    def fmt(self, digits: int = 2) -> str:
+        if self.mean is None:
+            return "-"
+        if self.low is None:
+            return f"{self.mean:+.{digits}f} (n={self.n})"
+        return f"{self.mean:+.{digits}f} [{self.low:+.{digits}f}, {self.high:+.{digits}f}]"
+
+
+def paired_interval(a: Sequence[float], b: Sequence[float]) -> Interval:
+    """Mean of a - b over paired values with its 95 % t-interval (no interval under 2 pairs)."""
+    if len(a) != len(b):
+        raise ValueError(f"paired values: {len(a)} against {len(b)}")
+    d = [x - y for x, y in zip(a, b)]
+    n = len(d)
+    wins = sum(x > y for x, y in zip(a, b))
+    if n == 0:
+        return Interval(0, None, None, None, None, 0)
+    mean = statistics.fmean(d)
+    if n < 2:
+        return Interval(n, mean, None, None, None, wins)
+    std = statistics.stdev(d)
+    half = t_quantile_975(n - 1) * std / math.sqrt(n)
+    return Interval(n, mean, std, mean - half, mean + half, wins)
+
+
+def link_verdict(relation: str, interval: Interval, margin: float | None = None) -> str:
+    """The verdict of ``A relation B`` from the interval of A - B (module docstring)."""
+    if interval.low is None:
+        return INCONCLUSIVE
+    low, high = interval.low, interval.high
+    if relation == ">":
+        return HOLDS if low > 0 else DOES_NOT_HOLD if high < 0 else INCONCLUSIVE
+    if relation == "<":
+        return HOLDS if high < 0 else DOES_NOT_HOLD if low > 0 else INCONCLUSIVE
+    if relation == "~":
+        if margin is None:
+            raise ValueError("'~' needs a margin")
+        if -margin <= low and high <= margin:
+            return HOLDS
+        return DOES_NOT_HOLD if low > margin or high < -margin else INCONCLUSIVE
+    raise ValueError(f"unknown relation {relation!r}")
+
+
+def chain_verdict(verdicts: Iterable[str]) -> str:
+    verdicts = list(verdicts)
+    if verdicts and all(v == HOLDS for v in verdicts):
+        return HOLDS
+    return DOES_NOT_HOLD if DOES_NOT_HOLD in verdicts else INCONCLUSIVE
+
+
+@dataclass
+class LinkResult:
+    a: str
+    relation: str
+    b: str
+    a_values: dict[int, float]
+    b_values: dict[int, float]
+    interval: Interval
+    verdict: str
+    left_out: list[str] = field(default_factory=list)  # "seed 2: FedX diverged", ...
+
+
+def _mean_std(values: Iterable[float]) -> tuple[float | None, float | None]:
+    values = list(values)
+    if not values:
+        return None, None
+    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else None)
+
+
+def evaluate_claims(
+    claims: Sequence[Claim],
+    columns: Sequence[str],
+    labels: dict[str, str],
+    seeds: Sequence[int],
+    value: Callable[[str, str, int, str], float | None],
+    available: Callable[[str, str], bool],
+    why_missing: Callable[[str, str, int], str | None] = lambda c, m, s: None,
+) -> list[dict[str, Any]]:
+    """One row per (claim, column): the links' paired differences and the chain's verdict.
+
+    ``value(column, method, seed, metric)`` is a run's value (None when it has none, e.g. diverged);
+    ``available(column, method)`` says whether the method ran on that column in this invocation (a claim
+    whose methods were not run is reported as not run, never guessed); ``why_missing`` says why a value
+    is None (shown in the row)."""
+    rows: list[dict[str, Any]] = []
+    for claim in claims:
+        unknown_columns = [c for c in claim.columns or () if c not in labels]
+        if unknown_columns:
+            raise ConfigError(f"claim {claim.text!r}: column {', '.join(unknown_columns)} is not in the preset")
+        for column in claim.columns or columns:
+            base = {
+                "claim": claim.text, "column": column, "setting": labels[column], "metric": claim.metric,
+                "unit": METRICS[claim.metric][1], "margin": claim.margin, "paper": claim.paper, "note": claim.note,
+            }  # fmt: skip
+            missing = [m for m in claim.methods if column not in columns or not available(column, m)]
+            if missing:
+                rows.append({**base, "verdict": "not run", "links": [], "means": {},
+                             "why": f"not run in this invocation: {', '.join(missing)} on {column}"})  # fmt: skip
+                continue
+            values = {m: {s: value(column, m, s, claim.metric) for s in seeds} for m in claim.methods}
+            means = {m: _mean_std(v for v in values[m].values() if v is not None) for m in claim.methods}
+            links = []
+            for a, relation, b in claim.links:
+                paired = [s for s in seeds if values[a][s] is not None and values[b][s] is not None]
+                left_out = [
+                    f"seed {s}: {m} {why_missing(column, m, s) or 'has no value'}"
+                    for s in seeds if s not in paired for m in (a, b) if values[m][s] is None
+                ]  # fmt: skip
+                interval = paired_interval([values[a][s] for s in paired], [values[b][s] for s in paired])
+                links.append(
+                    LinkResult(a, relation, b, {s: values[a][s] for s in paired}, {s: values[b][s] for s in paired},
+                               interval, link_verdict(relation, interval, claim.margin), left_out)
+                )
+            rows.append({**base, "verdict": chain_verdict(link.verdict for link in links), "links": links, "means": means, "why": None})
+    return rows
+
+
+def _stat(mean_std: tuple[float | None, float | None]) -> str:
+    mean, std = mean_std
+    if mean is None:
+        return "-"
+    return f"{mean:.2f}" + (f" ± {std:.2f}" if std is not None else "")
+
+
+def claim_cells(row: dict[str, Any]) -> dict[str, str]:
+    """The printed cells of one row: the methods' mean ± std, each link's paired difference and interval,
+    the paired seeds and the verdict (a chain's links joined by ';')."""
+    if row["verdict"] == "not run":
+        return {"values": "-", "difference": "-", "seeds": "-", "verdict": f"not run ({row['why']})"}
+    values = ", ".join(f"{m} {_stat(ms)}" for m, ms in row["means"].items())
+    diffs = "; ".join(
+        f"{link.a} - {link.b}: {link.interval.fmt()}" + (f" ({link.verdict})" if len(row["links"]) > 1 else "")
+        for link in row["links"]
+    )
+    seeds = "; ".join(f"{link.interval.n} ({link.interval.a_wins}/{link.interval.n} {link.a} ahead)" for link in row["links"])
+    left_out = sorted({entry for link in row["links"] for entry in link.left_out})
+    verdict = row["verdict"] + (f" (left out: {'; '.join(left_out)})" if left_out else "")
+    return {"values": values, "difference": diffs, "seeds": seeds, "verdict": verdict}
+
+
+def claims_markdown(rows: Sequence[dict[str, Any]]) -> str:
+    """The verdict table as Markdown."""
+    lines = [
+        "| claim | setting | metric | mean ± std over seeds | paired difference [95 % interval] | seeds | verdict |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        cells = claim_cells(row)
+        metric = METRICS[row["metric"]][0] + (f", margin ±{row['margin']:g} {row['unit']}" if row["margin"] is not None else "")
+        claim = row["claim"].replace("|", "\\|")
+        lines.append(f"| {claim} | {row['setting']} | {metric} | {cells['values']} | {cells['difference']} | {cells['seeds']} | **{cells['verdict']}** |")
+    return "\n".join(lines) + "\n"
+
+
+def claims_records(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """JSON-ready rows (claims.json): every link with its per-seed values and interval."""
+    out = []
+    for row in rows:
+        record = {k: v for k, v in row.items() if k not in ("links", "means")}
+        record["means"] = {m: {"mean": ms[0], "std": ms[1]} for m, ms in row["means"].items()}
+        record["links"] = [
+            {
+                "a": link.a, "relation": link.relation, "b": link.b,
+                "a_values": {str(s): v for s, v in link.a_values.items()},
+                "b_values": {str(s): v for s, v in link.b_values.items()},
+                "n": link.interval.n, "mean_difference": link.interval.mean, "std_difference": link.interval.std,
+                "ci95_low": link.interval.low, "ci95_high": link.interval.high, "a_wins": link.interval.a_wins,
+                "verdict": link.verdict, "left_out": link.left_out,
+            }
+            for link in row["links"]
+        ]
+        out.append(record)
+    return out
+
+
+def run_value(run, metric: str) -> float | None:
+    """A run's value of a claim's metric; a diverged run has no accuracy to compare (left out, said so)."""
+    if metric in ("final", "best") and run.diverged_after is not None:
+        return None
+    if metric == "final":
+        return run.final
+    if metric == "best":
+        return run.best
+    if metric == "mb":
+        return None if run.bytes_per_round is None else run.bytes_per_round / 1e6
+    if metric == "seconds":
+        return run.seconds_per_round
+    raise ValueError(f"unknown claim metric {metric!r}")
+
+
+def claim_rows(preset, results: dict[tuple[str, str, int], Any], columns: list[str], seeds: list[int]) -> list[dict[str, Any]]:
+    """A reproduce preset's claims evaluated on that invocation's runs (``results``: reproduce's RunResult
+    per (column, method, seed)); a claim whose methods did not run there is listed as not run."""
+
+    def why(column: str, method: str, seed: int) -> str | None:
+        run = results.get((column, method, seed))
+        return None if run is None or run.diverged_after is None else f"diverged after round {run.diverged_after}"
+
+    return evaluate_claims(
+        preset.parsed_claims(), columns, {c: spec.label for c, spec in preset.columns.items()}, seeds,
+        value=lambda c, m, s, metric: run_value(results[(c, m, s)], metric),
+        available=lambda c, m: all((c, m, s) in results for s in seeds),
+        why_missing=why,
+    )  # fmt: skip
+
+
+def print_claims(console, claims: list[dict[str, Any]], root: Path) -> None:
+    """The verdict table after the comparison table."""
+    if not claims:
+        return
+    from ..runner import print_rows
+
+    rows = {}
+    for row in claims:
+        cells = claim_cells(row)
+        rows[f"{row['claim']} [{row['setting']}]"] = [cells["values"], cells["difference"], cells["seeds"], cells["verdict"]]
+    print_rows(console, "claims (paired over seeds, 95 % t-interval)", ("claim [setting]", "mean ± std", "paired difference [95 %]", "seeds", "verdict"), rows)
+    console.print(f"claims: {root / 'claims.json'} (and at the top of table.md)")

@@ -1,0 +1,181 @@
+"""Claims tested over seeds (report/claims.py): the paired-difference arithmetic and the verdicts, on
+numbers worked out by hand here, then the ``claims`` section of a reproduce preset end to end."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import yaml
+
+from fedistill.errors import ConfigError
+from fedistill.report.claims import (
+    DOES_NOT_HOLD,
+    HOLDS,
+    INCONCLUSIVE,
+    chain_verdict,
+    evaluate_claims,
+    link_verdict,
+    paired_interval,
+    parse_claim,
+    t_quantile_975,
+)
+from fedistill.reproduce import load_preset, reproduce
+
+
+def test_t_quantiles_match_the_printed_tables():
+    # Student's t, two-sided 95 %: 12.706 (1 df), 4.303 (2), 2.228 (10), 2.042 (30); 2.021 (40), 2.000 (60),
+    # 1.980 (120) from the expansion beyond the table.
+    for df, expected in ((1, 12.706), (2, 4.303), (10, 2.228), (30, 2.042), (40, 2.021), (60, 2.000), (120, 1.980)):
+        assert t_quantile_975(df) == pytest.approx(expected, abs=1.5e-3), df
+    with pytest.raises(ValueError):
+        t_quantile_975(0)
+
+
+def test_paired_interval_on_hand_computed_numbers():
+    # d = (2, 3, 1): mean 2, sample std 1, half width 4.303 * 1 / sqrt(3) = 2.4843
+    iv = paired_interval([80.0, 82.0, 81.0], [78.0, 79.0, 80.0])
+    assert (iv.n, iv.a_wins) == (3, 3)
+    assert iv.mean == pytest.approx(2.0) and iv.std == pytest.approx(1.0)
+    assert (iv.low, iv.high) == (pytest.approx(2 - 2.48434, abs=1e-4), pytest.approx(2 + 2.48434, abs=1e-4))
+    # the pairing matters: the same values unpaired (sorted differently) give another interval
+    shuffled = paired_interval([80.0, 82.0, 81.0], [80.0, 78.0, 79.0])  # d = (0, 4, 2): mean 2, std 2
+    assert shuffled.std == pytest.approx(2.0) and shuffled.high - shuffled.low == pytest.approx(2 * 4.303 * 2 / math.sqrt(3), abs=1e-3)
+    # two seeds: t with 1 degree of freedom; d = (1, 3): mean 2, std sqrt(2), half 12.706 * sqrt(2) / sqrt(2)
+    two = paired_interval([11.0, 13.0], [10.0, 10.0])
+    assert (two.low, two.high) == (pytest.approx(2 - 12.706), pytest.approx(2 + 12.706))
+    # one seed: a difference, no interval
+    one = paired_interval([5.0], [4.0])
+    assert (one.mean, one.low, one.high) == (1.0, None, None)
+    assert paired_interval([], []).mean is None
+
+
+@pytest.mark.parametrize(
+    ("a", "b", "relation", "margin", "verdict"),
+    [
+        ([80, 82, 81], [78, 79, 80], ">", None, INCONCLUSIVE),  # d (2, 3, 1): [-0.48, 4.48] straddles 0
+        ([83, 84, 85], [79, 80, 80], ">", None, HOLDS),  # d (4, 4, 5): mean 4.33, std 0.577, [2.90, 5.77]
+        ([79, 80, 80], [83, 84, 85], ">", None, DOES_NOT_HOLD),  # the same reversed: [-5.77, -2.90]
+        ([79, 80, 80], [83, 84, 85], "<", None, HOLDS),
+        ([83, 84, 85], [79, 80, 80], "<", None, DOES_NOT_HOLD),
+        ([70, 71, 72], [70, 71, 72], ">", None, INCONCLUSIVE),  # identical: [0, 0] is not above 0
+        ([70, 71, 72], [69, 70, 71], ">", None, HOLDS),  # a constant +1: std 0, [1, 1]
+        ([70.1, 70.9, 72.0], [70, 71, 72], "~", 1.0, HOLDS),  # d (0.1, -0.1, 0): [-0.25, 0.25] inside ±1
+        ([73, 74, 75], [70, 71, 71], "~", 1.0, DOES_NOT_HOLD),  # d (3, 3, 4): mean 3.33, [1.90, 4.77] beyond +1
+        ([70.5, 72.5, 73], [70, 71, 72], "~", 1.0, INCONCLUSIVE),  # d (0.5, 1.5, 1): [-0.24, 2.24]
+        ([70.5, 72.5, 73], [70, 71, 72], "~", 3.0, HOLDS),  # the same inside a ±3 margin
+    ],
+)
+def test_link_verdicts(a, b, relation, margin, verdict):
+    assert link_verdict(relation, paired_interval(a, b), margin) == verdict
+
+
+def test_a_chain_holds_only_when_every_link_holds():
+    assert chain_verdict([HOLDS, HOLDS]) == HOLDS
+    assert chain_verdict([HOLDS, INCONCLUSIVE]) == INCONCLUSIVE
+    assert chain_verdict([HOLDS, DOES_NOT_HOLD, INCONCLUSIVE]) == DOES_NOT_HOLD
+    assert link_verdict(">", paired_interval([1.0], [0.0])) == INCONCLUSIVE  # one seed decides nothing
+
+
+def test_claims_parse_and_bad_claims_say_how_to_write_them():
+    claim = parse_claim("SCAFFOLD+FedFTG > SCAFFOLD", columns=["a"])
+    assert claim.links == [("SCAFFOLD+FedFTG", ">", "SCAFFOLD")] and claim.columns == ("a",)
+    chain = parse_claim("FedICT > FedDKC > FedGKT")
+    assert chain.links == [("FedICT", ">", "FedDKC"), ("FedDKC", ">", "FedGKT")]
+    assert parse_claim("FedLMD-Tf ≈ FedLMD", margin=1.0).relations == ("~",)
+    assert parse_claim("DaFKD (paper) < FedAvg", metric="mb").methods == ("DaFKD (paper)", "FedAvg")
+    for text, kwargs, message in [
+        ("FedICT>FedGKT", {}, "space on each side"),
+        ("FedICT", {}, "space on each side"),
+        ("A ~ B", {}, "needs a positive margin"),
+        ("A ~ B", {"margin": -1.0}, "needs a positive margin"),
+        ("A > B", {"margin": 1.0}, "margin applies to '~' only"),
+        ("A > B", {"metric": "accuracy"}, "metric 'accuracy' is not one of final, best, mb, seconds"),
+        ("A > B > A", {}, "appears twice"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            parse_claim(text, **kwargs)
+
+
+def test_evaluate_claims_pairs_by_seed_and_leaves_out_what_has_no_value():
+    finals = {  # (method, seed) -> final accuracy; B diverged on seed 2
+        ("A", 0): 80.0, ("A", 1): 82.0, ("A", 2): 81.0, ("A", 3): 84.0,
+        ("B", 0): 78.0, ("B", 1): 79.0, ("B", 2): None, ("B", 3): 80.0,
+        ("C", 0): 70.0, ("C", 1): 71.0, ("C", 2): 72.0, ("C", 3): 73.0,
+    }  # fmt: skip
+    rows = evaluate_claims(
+        [parse_claim("A > B > C"), parse_claim("A > D")],
+        ["col"], {"col": "a column"}, [0, 1, 2, 3],
+        value=lambda c, m, s, metric: finals[(m, s)],
+        available=lambda c, m: m != "D",
+        why_missing=lambda c, m, s: "diverged after round 4" if (m, s) == ("B", 2) else None,
+    )  # fmt: skip
+    chain, absent = rows
+    ab, bc = chain["links"]
+    # A - B on seeds 0, 1, 3: d = (2, 3, 4): mean 3, std 1, [3 -/+ 4.303 / sqrt(3)] = [0.516, 5.484]
+    assert ab.interval.n == 3 and ab.a_values == {0: 80.0, 1: 82.0, 3: 84.0}
+    assert (ab.interval.low, ab.interval.high) == (pytest.approx(0.5157, abs=1e-3), pytest.approx(5.4843, abs=1e-3))
+    assert ab.verdict == HOLDS and ab.left_out == ["seed 2: B diverged after round 4"]
+    # B - C on the same three seeds: d = (8, 8, 7): holds
+    assert bc.interval.n == 3 and bc.verdict == HOLDS and chain["verdict"] == HOLDS
+    assert chain["means"]["A"][0] == pytest.approx(81.75) and chain["means"]["B"][0] == pytest.approx(79.0)
+    assert absent["verdict"] == "not run" and "D" in absent["why"]
+
+
+def test_a_reproduce_preset_prints_and_writes_its_claims(tmp_path, capsys):
+    preset = {
+        "name": "claims_demo", "title": "claims on digits", "source": "test", "paper_rounds": 2,
+        "base": {
+            "clients_per_round": 3, "dataset": {"name": "digits"}, "partition": {"num_clients": 6, "scheme": "iid"},
+            "local": {"epochs": 1, "batch_size": 32, "lr": 0.05}, "run": {"progress": False, "threads": 1},
+        },
+        "columns": {"iid": {"label": "digits iid"}},
+        "methods": {
+            "FedAvg": {"config": {"algorithm": {"name": "fedavg"}}},
+            "FedProx mu=0": {"config": {"algorithm": {"name": "fedprox", "mu": 0.0}}},
+            "Frozen": {"config": {"algorithm": {"name": "fedavg"}, "local": {"lr": 1.0e-9}}},
+        },
+        "claims": [
+            {"claim": "FedAvg > Frozen", "paper": "a model that trains beats one that does not"},
+            {"claim": "FedProx mu=0 ~ FedAvg", "margin": 0.5, "note": "FedProx with mu 0 is FedAvg step for step"},
+            {"claim": "FedAvg < Frozen", "metric": "mb"},
+        ],
+    }  # fmt: skip
+    path = tmp_path / "claims_demo.yaml"
+    path.write_text(yaml.safe_dump(preset, sort_keys=False, allow_unicode=True))
+    reproduce(load_preset(str(path)), tmp_path / "out", rounds=2, seeds=[0, 1, 2])
+    records = json.loads((tmp_path / "out" / "claims_demo" / "claims.json").read_text())
+    trains, same, traffic = records
+    assert trains["verdict"] == HOLDS and trains["links"][0]["n"] == 3
+    # identical runs: every paired difference 0, the interval [0, 0] inside any margin
+    assert same["verdict"] == HOLDS and same["links"][0]["ci95_low"] == 0.0 == same["links"][0]["ci95_high"]
+    assert traffic["verdict"] == INCONCLUSIVE  # equal traffic: the interval [0, 0] is not below 0
+    table = (tmp_path / "out" / "claims_demo" / "table.md").read_text()
+    assert table.index("## Claims") < table.index("## digits iid")  # the verdicts lead the table
+    assert "| FedAvg > Frozen | digits iid | final accuracy |" in table and "**holds**" in table
+    out = " ".join(capsys.readouterr().out.split())
+    assert "claims (paired over seeds" in out and "FedProx mu=0 ~ FedAvg" in out
+
+
+def test_a_claim_naming_an_unknown_method_or_column_is_refused_at_load(tmp_path):
+    base = {
+        "name": "bad", "title": "t", "source": "s", "paper_rounds": 1, "base": {},
+        "columns": {"iid": {"label": "iid"}}, "methods": {"FedAvg": {"config": {}}},
+    }  # fmt: skip
+    for claims, message in [
+        ([{"claim": "FedAvg > FedLMD"}], "names methods FedLMD the preset does not have"),
+        ([{"claim": "FedAvg ~ FedAvg2", "margin": 1}], "names methods FedAvg2"),
+        ([{"claim": "FedAvg > FedAvg"}], "appears twice"),
+        ([{"claim": "FedAvg > X", "columns": ["cifar"]}], "names methods X"),
+        ([{"claim": "FedAvg > FedAvg", "metric": "acc"}], "metric 'acc'"),
+        ([{"claim": "FedAvg > B", "unknown_key": 1}], "claims.0.unknown_key"),
+    ]:
+        path = tmp_path / "bad.yaml"
+        path.write_text(yaml.safe_dump({**base, "claims": claims}))
+        with pytest.raises(ConfigError, match=message):
+            load_preset(str(path))
+    base["methods"]["B"] = {"config": {}}
+    path.write_text(yaml.safe_dump({**base, "claims": [{"claim": "FedAvg > B", "columns": ["cifar"]}]}))
+    with pytest.raises(ConfigError, match="names columns cifar"):
+        load_preset(str(path))
