@@ -218,8 +218,6 @@ def test_synthetic_config_and_natural_federation():
         build_config({"partition": {"scheme": "natural"}})
     with pytest.raises(ConfigError, match="dataset.synthetic"):
         build_config({"dataset": {"synthetic": {"alpha": 0.5}}})
-    with pytest.raises(ConfigError, match="per_client_test"):
-        build_config(base, {"partition.per_client_test": True})
     with pytest.raises(ConfigError, match="dataset.synthetic.beta"):
         build_config(base, {"dataset.synthetic.beta": -1})
     with pytest.raises(ConfigError, match="max_samples .10. is below min_samples"):
@@ -244,6 +242,64 @@ def test_fedavg_on_synthetic_learns_in_two_rounds():
     history = Simulation(cfg, ds).run()
     assert history[-1]["test_accuracy"] > majority + 10, (history[-1]["test_accuracy"], majority)
     assert sum(history[-1]["train_label_counts"]) == int(ds.clients.sizes.sum())
+
+
+def test_synthetic_per_client_test_is_each_clients_own_held_out_share():
+    """FedProx's evaluation (issue 27): client k's test split is the held-out samples drawn from client k,
+    labelled by client k's own model, and the personal accuracy is the mean over the clients that have one."""
+    cfg = build_config(
+        {
+            "dataset": {"name": "synthetic", "synthetic": {"max_samples": 200, "test_samples": 600}},
+            "partition": {"scheme": "natural", "num_clients": 40, "per_client_test": True},
+            "clients_per_round": 10, "rounds": 2, "local": {"epochs": 2, "batch_size": 10},
+            "run": {"progress": False, "threads": 1},
+        }
+    )  # fmt: skip
+    assert cfg.accuracy_metric() == "personal"
+    ds = load_dataset("synthetic", **cfg.dataset_options())
+    fed = build_federation(cfg, ds)
+    shares = list(fed.test_indices)
+    # the shares cover the held-out set once, in client order
+    assert torch.equal(torch.cat(shares), torch.arange(len(ds.test_y)))
+    spec = ds.clients.spec
+    for k in (0, 7, 39):
+        x = ds.test_x[shares[k]].reshape(-1, spec.dim).double().numpy()
+        weights, bias, _ = spec.client_model(k)  # client k's own labeller, written out: argmax(W_k x + b_k)
+        assert np.array_equal(ds.test_y[shares[k]].numpy(), np.argmax(x @ weights.T + bias, axis=1))
+    # a client's expected share is 600 * n_k / N: the larger half of the clients holds more per client
+    sizes, held = ds.clients.sizes, np.array([len(s) for s in shares])
+    large = sizes >= np.median(sizes)
+    assert held[large].mean() > 1.5 * held[~large].mean(), (sizes, held)
+    sim = Simulation(cfg, ds)
+    history = sim.run()
+    # the card's metric written out: the global model's accuracy on each client's share, mean over non-empty shares
+    with torch.inference_mode():
+        right = (sim.server.model(ds.test_x).argmax(1) == ds.test_y).double()
+    expected = np.mean([100.0 * float(right[ix].mean()) for ix in shares if ix.numel()])
+    assert history[-1]["personal_accuracy"] == pytest.approx(expected, abs=1e-6)
+    assert history[-1]["personal_accuracy"] != pytest.approx(history[-1]["test_accuracy"], abs=1e-9)  # not the pooled one
+
+
+def test_synthetic_iid_shares_one_labeller_and_learns_at_a_thousand_clients():
+    spec = SyntheticSpec(num_clients=1000, iid=True)
+    w3, b3, v3 = spec.client_model(3)
+    w9, b9, v9 = spec.client_model(999)
+    assert np.array_equal(w3, w9) and np.array_equal(b3, b9) and not v3.any() and not v9.any()
+    assert not np.array_equal(w3, SyntheticSpec(num_clients=1000).client_model(3)[0])  # the non-IID clients differ
+    x, y = spec.client_samples(5, 400)
+    assert np.array_equal(y, np.argmax(x.astype(np.float64) @ w3.T + b3, axis=1))  # the shared rule, written out
+    assert abs(float(x.mean())) < 0.1  # centred inputs (v = 0)
+    cfg = build_config(
+        {
+            "dataset": {"name": "synthetic", "synthetic": {"iid": True, "max_samples": 100, "test_samples": 2000}},
+            "partition": {"scheme": "natural", "num_clients": 1000}, "clients_per_round": 10, "rounds": 3,
+            "local": {"epochs": 10, "batch_size": 10, "lr": 0.01, "momentum": 0.0}, "run": {"progress": False, "threads": 1},
+        }
+    )  # fmt: skip
+    ds = load_dataset("synthetic", **cfg.dataset_options())
+    majority = 100.0 * np.bincount(ds.test_y.numpy()).max() / len(ds.test_y)
+    history = Simulation(cfg, ds).run()
+    assert history[-1]["test_accuracy"] > majority + 12, (history[-1]["test_accuracy"], majority)
 
 
 def test_run_directory_counts_only_the_first_generated_clients(tmp_path, digits):

@@ -107,6 +107,7 @@ class SyntheticConfig(_Section):
     min_samples: int = Field(50, ge=1)
     max_samples: int | None = Field(None, ge=1, description="cap on a client's size (none in FedProx)")
     test_samples: int = Field(10_000, ge=1, description="held-out global test set, clients drawn by size")
+    iid: bool = Field(False, description="FedProx's Synthetic-IID: one W, b for every client, x ~ N(0, Sigma) (alpha, beta unused)")
 
     @model_validator(mode="after")
     def _cap_above_floor(self) -> "SyntheticConfig":
@@ -299,10 +300,6 @@ class Config(_Section):
         if self.dataset.synthetic is not None and self.dataset.name != "synthetic":
             raise ValueError(f"dataset.synthetic: options of the synthetic dataset, but dataset.name is {self.dataset.name}")
         if natural:
-            if p.per_client_test:
-                raise ValueError(
-                    f"partition.per_client_test: dataset {self.dataset.name} has one held-out global test set (no per-client test splits)"
-                )
             if self.dataset.resize is not None:
                 raise ValueError(f"dataset.resize: dataset {self.dataset.name} has feature vectors, not images")
             if self.dataset.augment:

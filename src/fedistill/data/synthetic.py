@@ -8,6 +8,7 @@ after Shamir et al.: 60-dimensional inputs, 10 classes, and for client k
     v_k ~ N(B_k, 1) (60),  x ~ N(v_k, Sigma),  Sigma diagonal with Sigma_jj = j^-1.2
     y = argmax softmax(W_k x + b_k)
 
+(``iid: true``, FedProx's Synthetic-IID: one W ~ N(0, 1), b ~ N(0, 1) for every client and x ~ N(0, Sigma))
 and client sizes from a power law: the authors' generator draws ``int(lognormal(4, 2)) + 50`` samples per
 device. Reading of N(., alpha): the paper writes N(mean, alpha) without saying variance or standard deviation;
 the authors' generator passes alpha and beta as numpy's ``scale`` (the standard deviation), and that is the
@@ -26,11 +27,17 @@ random streams (seed, k), so any client can be generated alone, in any order, in
 training split is a lazy view of the concatenated clients (client k owns rows ``offsets[k]:offsets[k+1]``)
 that generates a client's rows when a batch first asks for them and keeps the most recent clients in a
 small cache. Memory is O(K) integers for the sizes plus the cache; a round costs the generation of its
-clients' samples, independent of K. The test split is a held-out global set of ``test_samples`` samples,
+clients' samples, independent of K. The test split is a held-out set of ``test_samples`` samples,
 materialised: each draws its client with probability n_k / N (the pooled distribution, what the union of
-FedProx's per-device 10 % test splits estimates) and its sample from that client's model on a test stream
-separate from the training one. Per-client test splits are not offered (at 100,000 clients most would be
-empty).
+FedProx's per-device held-out shares estimates) and its sample from that client's model on a test stream
+separate from the training one, and it remembers its client (``test_owners``).
+
+Evaluation. ``partition.per_client_test: true`` gives FedProx's evaluation: client k's test split is the
+held-out samples drawn from client k (its own share, in expectation ``test_samples * n_k / N``), and the
+personalised accuracy is the mean of the per-client accuracies over the clients that have a held-out
+sample (the others are left out). Without it the metric is the global model's accuracy on the whole
+held-out set, which is FedProx's pooled accuracy (correct over all devices' test samples). At 100,000
+clients 10,000 held-out samples cover a few thousand clients; raise ``test_samples`` for more.
 """
 
 from __future__ import annotations
@@ -51,7 +58,7 @@ __all__ = ["SyntheticSpec", "SyntheticClients", "LazyRows", "ClientRanges", "Syn
 
 # Purpose tags of the streams (after the run's seed and a tag that keeps them apart from engine streams).
 _TAG = 0x5F3D
-_PARAMS, _TRAIN, _TEST, _SIZES, _TEST_OWNERS = 0, 1, 2, 3, 4
+_PARAMS, _TRAIN, _TEST, _SIZES, _TEST_OWNERS, _SHARED_PARAMS = 0, 1, 2, 3, 4, 5
 # Sizes are clipped here before the cast to int64 (a large sigma would overflow); far beyond any use.
 _MAX_DRAW = float(1 << 40)
 # Rows of generated clients kept in memory (4 bytes x dim each, plus labels): 1M rows of 60 floats ~ 250 MB.
@@ -93,6 +100,7 @@ class SyntheticSpec:
     min_samples: int = 50
     max_samples: int | None = None
     test_samples: int = 10_000
+    iid: bool = False
 
     def __post_init__(self) -> None:
         _integer("num_clients", self.num_clients, 1)
@@ -134,7 +142,11 @@ class SyntheticSpec:
         return sizes
 
     def client_model(self, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Client k's ``(W_k, b_k, v_k)``: (classes x dim), (classes,), (dim,), float64."""
+        """Client k's ``(W_k, b_k, v_k)``: (classes x dim), (classes,), (dim,), float64. Under ``iid``
+        (FedProx's Synthetic-IID) every client has the same W ~ N(0, 1), b ~ N(0, 1) and v = 0."""
+        if self.iid:
+            rng = self.rng(_SHARED_PARAMS)
+            return rng.standard_normal((self.classes, self.dim)), rng.standard_normal(self.classes), np.zeros(self.dim)
         rng = self.rng(_PARAMS, k)
         u = self.spread_of(self.alpha) * rng.standard_normal()
         shift = self.spread_of(self.beta) * rng.standard_normal()  # B_k
@@ -334,6 +346,7 @@ class SyntheticDataset(Dataset):
     features of shape (1, 1, dim), already on their natural scale (mean 0, std 1: no normalisation)."""
 
     clients: SyntheticClients | None = None
+    test_owners: torch.Tensor | None = None  # the client each held-out sample came from (sorted)
 
     def __post_init__(self) -> None:
         if self.clients is None:
@@ -347,6 +360,16 @@ class SyntheticDataset(Dataset):
     def client_ranges(self) -> ClientRanges:
         """Every client's training indices (the dataset's own, natural partition)."""
         return ClientRanges(self.clients.offsets)
+
+    def client_test_ranges(self) -> ClientRanges:
+        """Every client's held-out indices: the test samples drawn from that client (FedProx's per-device
+        test share; empty for a client no held-out sample was drawn from). The test set is sorted by
+        client, so client k's share is one contiguous range."""
+        if self.test_owners is None:
+            raise ValueError("this synthetic dataset has no record of its test samples' clients")
+        owners = self.test_owners.numpy()
+        offsets = np.searchsorted(owners, np.arange(self.clients.num_clients + 1), side="left").astype(np.int64)
+        return ClientRanges(offsets)
 
 
 def load_synthetic(
@@ -366,6 +389,7 @@ def load_synthetic(
     min_samples: int = 50,
     max_samples: int | None = None,
     test_samples: int = 10_000,
+    iid: bool = False,
 ) -> SyntheticDataset:
     """FedProx's Synthetic(alpha, beta), any number of clients, generated from the seed (no files).
 
@@ -375,10 +399,10 @@ def load_synthetic(
     spec = SyntheticSpec(
         num_clients=num_clients, seed=seed, alpha=alpha, beta=beta, spread=spread, dim=dim, classes=classes,
         size_log_mean=size_log_mean, size_log_sigma=size_log_sigma, min_samples=min_samples,
-        max_samples=max_samples, test_samples=test_samples,
+        max_samples=max_samples, test_samples=test_samples, iid=iid,
     )  # fmt: skip
     clients = SyntheticClients(spec)
-    test_x, test_y, _ = spec.test_set(clients.sizes)
+    test_x, test_y, owners = spec.test_set(clients.sizes)
     return SyntheticDataset(
         name="synthetic",
         train_x=LazyRows(clients, 0),  # type: ignore[arg-type]
@@ -389,4 +413,5 @@ def load_synthetic(
         mean=(0.0,),
         std=(1.0,),
         clients=clients,
+        test_owners=torch.from_numpy(owners.astype(np.int64)),
     )

@@ -117,7 +117,11 @@ def build_federation(cfg: Config, dataset: Dataset) -> Federation:
         ranges = client_ranges()
         if len(ranges) != p.num_clients:
             raise ConfigError(f"partition.num_clients: {p.num_clients}, but dataset {dataset.name} was made with {len(ranges)} clients")
-        return Federation(dataset, ranges, None)
+        # per-client test splits of a natural federation: each client's own held-out share (FedProx's evaluation)
+        test_ranges = getattr(dataset, "client_test_ranges", None)
+        if p.per_client_test and test_ranges is None:
+            raise ConfigError(f"partition.per_client_test: dataset {dataset.name} has one held-out global test set (no per-client test splits)")
+        return Federation(dataset, ranges, test_ranges() if p.per_client_test else None)
     params: dict[str, Any] = {}
     if p.scheme in ("lda", "client_dirichlet"):
         params["alpha"] = p.alpha
