@@ -119,10 +119,16 @@ def test_every_registered_method_runs_one_round_with_only_its_name(name, tmp_pat
     row = json.loads((tmp_path / "r" / "metrics.jsonl").read_text().splitlines()[0])
     accuracy = row.get("personal_accuracy") if row.get("test_accuracy") is None else row["test_accuracy"]
     assert accuracy is not None and 0.0 <= accuracy <= 100.0
-    assert name in capsys.readouterr().out.splitlines()[0]  # the header names the method
+    header = capsys.readouterr().out.splitlines()[0]
+    assert name in header  # the header names the method, and what it set where the run's defaults did not suit it
+    assert ("pfedme sets local.momentum=0.0" in header) == (name == "pfedme")
 
 
 def test_a_methods_defaults_never_override_what_the_user_set(tmp_path):
+    assert build_config({"algorithm": "pfedme"})._method_settings == {"local.momentum": 0.0}  # said in the header
+    assert build_config({"algorithm": "pfedme", "local": {"momentum": 0.0}})._method_settings == {}
+    assert build_config({"algorithm": "fedgkt", "model": {"name": "fd_resnet4"}})._method_settings == {
+        "model.server": "fd_server_resnet56", "partition.per_client_test": True}  # fmt: skip
     assert build_config({"algorithm": "fedavg"}).local.momentum == 0.9  # other methods keep the run's default
     with pytest.raises(ConfigError, match="local.momentum: pfedme runs momentum-free"):
         build_config({"algorithm": "pfedme", "local": {"momentum": 0.9}})

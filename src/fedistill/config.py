@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from .errors import ConfigError, closest
 
@@ -261,6 +261,10 @@ class AlgorithmConfig(BaseModel):
 
 
 class Config(_Section):
+    # What the method's config_defaults filled where the user left a key unset ({"local.momentum": 0.0}):
+    # not part of the configuration (config.yaml has the values), said in the run's header.
+    _method_settings: dict[str, Any] = PrivateAttr(default_factory=dict)
+
     seed: int = Field(0, ge=0)
     rounds: int = Field(30, ge=1, le=MAX_ROUNDS)
     clients_per_round: int = Field(5, ge=1, le=MAX_CLIENTS)
@@ -519,10 +523,11 @@ def build_config(
             key = "algorithm.name"
         _set_path(tree, key, value)
     overridden = [key for key, _ in items]
-    tree = _with_method_defaults(tree)
+    tree, filled = _with_method_defaults(tree)
     try:
         try:
             cfg = Config.model_validate(tree)
+            cfg._method_settings = filled
         except ValidationError as err:
             raise ConfigError(_format_validation_error(err)) from None
         validate_names(cfg)
@@ -536,9 +541,10 @@ def build_config(
     return cfg
 
 
-def _with_method_defaults(tree: dict[str, Any]) -> dict[str, Any]:
+def _with_method_defaults(tree: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """``tree`` over the configured method's ``config_defaults`` (the registry's class; an unknown name is left
-    for validation to report): what the user set wins, the method fills only what was left unset."""
+    for validation to report): what the user set wins, the method fills only what was left unset. Also returns
+    what it filled, as dotted keys."""
     from . import algorithms as _algorithms  # noqa: F401  (registers algorithms)
     from .plugins import load_plugins
     from .registry import ALGORITHMS
@@ -547,8 +553,23 @@ def _with_method_defaults(tree: dict[str, Any]) -> dict[str, Any]:
     section = tree.get("algorithm")
     name = section.get("name", AlgorithmConfig.model_fields["name"].default) if isinstance(section, dict) else section
     if not isinstance(name, str) or name not in ALGORITHMS:
-        return tree
-    return _merged(ALGORITHMS.get(name).config_defaults(tree), tree)
+        return tree, {}
+    defaults = ALGORITHMS.get(name).config_defaults(tree)
+    return _merged(defaults, tree), _unset_leaves(defaults, tree)
+
+
+def _unset_leaves(under: dict[str, Any], over: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """The leaves of ``under`` that ``over`` does not set, as ``{"section.key": value}``."""
+    out: dict[str, Any] = {}
+    for key, value in under.items():
+        if key not in over:
+            if isinstance(value, dict):
+                out.update(_unset_leaves(value, {}, f"{prefix}{key}."))
+            else:
+                out[f"{prefix}{key}"] = value
+        elif isinstance(value, dict) and isinstance(over[key], dict):
+            out.update(_unset_leaves(value, over[key], f"{prefix}{key}."))
+    return out
 
 
 def _merged(under: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:

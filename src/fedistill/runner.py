@@ -139,6 +139,9 @@ def run_experiment(
 
     key = "personal_accuracy" if cfg.accuracy_metric() == "personal" else "test_accuracy"
     log = RoundLog(console, run_dir.path / "run.log", cfg.rounds, sim.state.round, key, progress=cfg.run.progress, quiet=quiet)
+    if cfg._method_settings:  # what the method set where the run's defaults do not suit it (config_defaults)
+        settings = ", ".join(f"{k}={v}" for k, v in cfg._method_settings.items())
+        note += f" ({cfg.algorithm.name} sets {settings}: the run's defaults do not suit it; set them to override)"
     what = (
         f"{cfg.algorithm.display_name()} on {cfg.dataset.name} ({describe_models(cfg)}), {cfg.partition.num_clients} clients "
         f"({cfg.partition.scheme}), {cfg.clients_per_round}/round, {cfg.rounds} rounds -> {run_dir.path}{note}"
