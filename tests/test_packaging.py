@@ -112,8 +112,8 @@ def test_every_package_and_the_configs_are_listed():
     listed = set(setuptools["packages"])
     assert on_disk <= listed, f"packages missing from [tool.setuptools] packages: {sorted(on_disk - listed)}"
     assert setuptools["package-dir"]["fedistill.configs"] == "configs"
-    assert {"fedistill.configs", "fedistill.configs.reproduce"} <= listed
-    for package in ("fedistill.configs", "fedistill.configs.reproduce"):
+    assert {"fedistill.configs", "fedistill.configs.reproduce", "fedistill.configs.bench"} <= listed
+    for package in ("fedistill.configs", "fedistill.configs.reproduce", "fedistill.configs.bench"):
         assert "*.yaml" in setuptools["package-data"][package]
 
 

@@ -190,6 +190,25 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from .bench import available_suites, bench, list_cells, load_suite
+
+    if not args.suite:
+        print("suites: " + (", ".join(n for n, _ in available_suites()) or "none found"))
+        return 0
+    suite = load_suite(args.suite)
+    overrides = list(args.overrides)
+    if args.data_dir:
+        overrides.append(f"dataset.data_dir={args.data_dir}")
+    if args.download:
+        overrides.append("dataset.download=true")
+    if args.cells:
+        list_cells(suite, Path(args.out), overrides)
+        return 0
+    bench(suite, Path(args.out), jobs=args.jobs, only=None if args.cell is None else [args.cell], overrides=overrides)
+    return 0
+
+
 def cmd_list(args: argparse.Namespace) -> int:
     from rich.table import Table
 
@@ -218,6 +237,7 @@ def cmd_list(args: argparse.Namespace) -> int:
     shipped = (
         ("configs (fedistill run --config NAME)", [(n, config_summary(p)) for n, p in bundled_configs().items()]),
         ("reproduce presets (fedistill reproduce NAME): table and paper", preset_summaries()),
+        ("bench suites (fedistill bench NAME): the leaderboard protocols", _suite_summaries()),
     )  # fmt: skip
     for title, rows in shipped:
         table = Table(title=title, show_header=False, title_justify="left")
@@ -225,6 +245,12 @@ def cmd_list(args: argparse.Namespace) -> int:
             table.add_row(name, text)
         console.print(table if rows else f"{title}: none found (this installation lacks its configs package data)")
     return 0
+
+
+def _suite_summaries() -> list[tuple[str, str]]:
+    from .bench import available_suites
+
+    return available_suites()
 
 
 def _verbosity_flags() -> argparse.ArgumentParser:
@@ -319,7 +345,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--download", action="store_true", help="download missing official dataset files")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="override a key in every run, e.g. run.workers=2")
 
-    sub.add_parser("list", help="list algorithms, datasets, models, generators, partitions, shipped configs and reproduce presets")
+    p = sub.add_parser("bench", help="run a suite (every method x settings x seeds on one protocol) and write its leaderboard")
+    p.add_argument("suite", nargs="?", help="suite name (see `fedistill list`) or path to a suite YAML file; omit to list them")
+    p.add_argument("--out", default="bench", help="parent directory of the cells and the leaderboard (default bench/)")
+    p.add_argument("--jobs", type=int, default=1, help="cells run at once, each with cores/jobs threads (default 1)")
+    p.add_argument("--cells", action="store_true", help="list the cells with their numbers and states; run nothing")
+    p.add_argument("--cell", type=int, help="run only cell N (a SLURM array task), then write the leaderboard of what finished")
+    p.add_argument("--data-dir", help="directory of the official dataset files [dataset.data_dir]")
+    p.add_argument("--download", action="store_true", help="download missing official dataset files")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="override a key in every cell")
+
+    sub.add_parser("list", help="list algorithms, datasets, models, generators, partitions, shipped configs, reproduce presets and bench suites")
     return parser
 
 
@@ -338,7 +374,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     args.verbose, args.quiet = getattr(args, "verbose", 0), getattr(args, "quiet", 0)
     configure_logging(args.verbose, args.quiet)
-    handlers = {"run": cmd_run, "partition": cmd_partition, "compare": cmd_compare, "list": cmd_list, "reproduce": cmd_reproduce}
+    handlers = {
+        "run": cmd_run, "partition": cmd_partition, "compare": cmd_compare, "list": cmd_list, "reproduce": cmd_reproduce,
+        "bench": cmd_bench,
+    }  # fmt: skip
     # SIGTERM takes the Ctrl-C path: the round in progress is abandoned, run.log notes it, the worker pool is
     # shut down (the default action killed this process alone and left the workers running), exit 143.
     previous = signal.signal(signal.SIGTERM, _raise_terminated) if _in_main_thread() else None
@@ -357,8 +396,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         terminated = isinstance(exc, _Terminated) or isinstance(exc.__context__, _Terminated) or isinstance(exc.__cause__, _Terminated)
         what = "terminated" if terminated else "interrupted"
         hint = exc.hint if isinstance(exc, RunInterrupted) else "no run had started, so there is nothing to continue"
-        if args.command == "reproduce":
-            hint = "run the same fedistill reproduce command again to continue (finished runs are kept, the interrupted one resumes)"
+        if args.command in ("reproduce", "bench"):
+            hint = f"run the same fedistill {args.command} command again to continue (finished runs are kept, the interrupted one resumes)"
         print(f"{what}: {hint}", file=sys.stderr)
         return 143 if terminated else 130
     except OSError as exc:

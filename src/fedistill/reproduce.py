@@ -226,6 +226,21 @@ class RunResult:
         return next((r for r, a in self.accuracies if a >= level), None)
 
 
+def run_result(cfg, column: str, method: str, seed: int, rows: list[dict[str, Any]], diverged: bool) -> RunResult:
+    """A run's metric rows (at most ``cfg.rounds``) as the numbers the tables use."""
+    key = "personal_accuracy" if cfg.accuracy_metric() == "personal" else "test_accuracy"
+    accuracies = [(r["round"], r[key]) for r in rows if r.get(key) is not None]
+    seconds = [r["seconds"] for r in rows if r.get("seconds") is not None]
+    traffic = [r["bytes_down"] + r["bytes_up"] for r in rows]
+    weights = [r["bytes_weight_exchange"] for r in rows if r.get("bytes_weight_exchange")]
+    return RunResult(
+        column, method, seed, accuracies, statistics.fmean(seconds) if seconds else None,
+        diverged_after=len(rows) if diverged else None,
+        bytes_per_round=statistics.fmean(traffic) if traffic else None,
+        weight_exchange_bytes_per_round=statistics.fmean(weights) if len(weights) == len(rows) and rows else None,
+    )  # fmt: skip
+
+
 def _stripped(config: dict[str, Any]) -> dict[str, Any]:
     """The parts of a saved config that decide its numbers, resolved (every default written out, keys a later
     version added filled in), so a run saved before a setting existed compares equal to the same run now."""
@@ -337,17 +352,7 @@ def reproduce(
         run_path = root / column / method.replace("/", "_").replace(" ", "_") / f"seed{seed}"
         console.print(f"[bold]{preset.name}[/]: {preset.columns[column].label} / {method} / seed {seed} -> {run_path}")
         rows, diverged = ensure_run(cfg, run_path, console)
-        key = "personal_accuracy" if cfg.accuracy_metric() == "personal" else "test_accuracy"
-        accuracies = [(r["round"], r[key]) for r in rows if r.get(key) is not None]
-        seconds = [r["seconds"] for r in rows if r.get("seconds") is not None]
-        traffic = [r["bytes_down"] + r["bytes_up"] for r in rows]
-        weights = [r["bytes_weight_exchange"] for r in rows if r.get("bytes_weight_exchange")]
-        results[(column, method, seed)] = RunResult(
-            column, method, seed, accuracies, statistics.fmean(seconds) if seconds else None,
-            diverged_after=len(rows) if diverged else None,
-            bytes_per_round=statistics.fmean(traffic) if traffic else None,
-            weight_exchange_bytes_per_round=statistics.fmean(weights) if len(weights) == len(rows) and rows else None,
-        )  # fmt: skip
+        results[(column, method, seed)] = run_result(cfg, column, method, seed, rows, diverged)
     table = comparison_rows(preset, results, columns, methods, seeds, rounds)
     from .report.claims import claim_rows, print_claims
 

@@ -1,0 +1,431 @@
+"""``fedistill bench SUITE``: every method on one protocol, and a leaderboard (issue 28).
+
+A suite (``configs/bench/*.yaml``, shipped as ``fedistill/configs/bench``; ``fedistill list`` names them) is one
+protocol (``protocol``: a config tree with the dataset, model, rounds, local training, clients and sampling),
+a few ``settings`` (config fragments, typically partitions), the ``methods`` (each a config fragment with its
+card parameters; left out, every registered method with its card defaults) and the ``seeds``. A cell is one
+(setting, method, seed); its run directory is ``<out>/<suite>/<setting>/<method>/seed<s>``, the layout of
+``fedistill reproduce``, so a bench is resumable the same way: a finished cell is reused, an interrupted one
+resumes from its checkpoint, a cell whose configuration changed is refused.
+
+A method that cannot run a setting (its configuration is refused, e.g. FedAvg with heterogeneous client
+models) is a cell with a reason, shown as n/a in the leaderboard, never an error that stops the bench.
+
+``--jobs N`` runs N cells at once, each in its own process with ``cores // N`` threads (never more threads
+than cores in all); ``--cells`` lists the cells with their numbers and states, ``--cell N`` runs one (a
+SLURM array job, benchmarks/slurm_bench.sh). After running, the leaderboard of every finished cell is
+written as ``leaderboard.md``, ``leaderboard.csv`` and ``leaderboard.json`` in ``<out>/<suite>/``: per
+setting, the methods ranked by final accuracy (mean ± std over seeds), with the best accuracy, rounds to
+the suite's target, MB per round and seconds per round.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from .errors import ConfigError
+
+__all__ = ["Suite", "Cell", "load_suite", "available_suites", "suite_cells", "bench", "leaderboard_rows", "write_leaderboard"]
+
+SUITE_DIR = "configs/bench"
+NOT_APPLICABLE = "not_applicable.txt"  # in a cell's directory: why the method cannot run this setting
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class SettingSpec(_Strict):
+    label: str
+    config: dict[str, Any] = Field(default_factory=dict)
+
+
+class BenchMethod(_Strict):
+    config: dict[str, Any] = Field(default_factory=dict)
+    per_setting: dict[str, dict[str, Any]] = Field(default_factory=dict)
+
+
+class Suite(_Strict):
+    name: str
+    title: str
+    description: str = ""
+    protocol: dict[str, Any]
+    settings: dict[str, SettingSpec]
+    methods: dict[str, BenchMethod] | None = None  # None: every registered method, card defaults
+    seeds: list[int] = Field(default_factory=lambda: [0, 1, 2])
+    target_accuracy: float | None = Field(None, gt=0, le=100)
+    notes: list[str] = Field(default_factory=list)
+
+    def method_specs(self) -> dict[str, BenchMethod]:
+        if self.methods is not None:
+            return self.methods
+        from . import algorithms as _algorithms  # noqa: F401  (registers the methods)
+        from .registry import ALGORITHMS
+
+        return {name: BenchMethod(config={"algorithm": {"name": name}}) for name in sorted(ALGORITHMS)}
+
+    def card_settings(self, tree: dict[str, Any]) -> dict[str, Any]:
+        """With every method on its card defaults (``methods`` left out), what a method needs where the protocol
+        does not suit it wins over the protocol (``Algorithm.config_defaults``: pFedMe's momentum-free steps, the
+        split client models and server model of FedGKT, FedDKC and FedICT); a suite that lists its methods
+        says everything itself."""
+        if self.methods is not None:
+            return {}
+        from .registry import ALGORITHMS
+
+        return ALGORITHMS.get(tree["algorithm"]["name"]).config_defaults(tree)
+
+
+def suite_search_path() -> list[Path]:
+    """Where suite names are looked up: ./configs/bench, then the suites that ship with fedistill."""
+    from .config import bundled_configs_dir
+
+    bundled = bundled_configs_dir()
+    return [Path.cwd() / SUITE_DIR] + ([bundled / "bench"] if bundled is not None else [])
+
+
+def available_suites() -> list[tuple[str, str]]:
+    """(name, title) of every suite found on the search path."""
+    found: dict[str, str] = {}
+    for folder in suite_search_path():
+        for path in sorted(folder.glob("*.yaml")) if folder.is_dir() else []:
+            if path.stem not in found:
+                try:
+                    found[path.stem] = load_suite(str(path)).title
+                except ConfigError as exc:
+                    found[path.stem] = f"(invalid: {exc})"
+    return sorted(found.items())
+
+
+def load_suite(name_or_path: str) -> Suite:
+    path = Path(name_or_path)
+    if not path.is_file():
+        candidates = [folder / f"{path.stem if path.suffix == '.yaml' else name_or_path}.yaml" for folder in suite_search_path()]
+        path = next((c for c in candidates if c.is_file()), None)
+        if path is None:
+            names = ", ".join(n for n, _ in available_suites()) or "none found"
+            raise ConfigError(f"bench: no suite {name_or_path!r}; choose one of: {names} (or give a path to a suite YAML file)")
+    from .config import parse_yaml_text
+    from .report.rundir import _read_text
+
+    data = parse_yaml_text(path, _read_text(path), what=f"bench: suite {path}")
+    try:
+        suite = Suite.model_validate(data)
+    except ValidationError as err:
+        first = err.errors()[0]
+        raise ConfigError(f"bench: suite {path}: {'.'.join(map(str, first['loc']))}: {first['msg']}") from None
+    if not suite.settings:
+        raise ConfigError(f"bench: suite {path}: settings is empty; name at least one setting")
+    if not suite.seeds or len(set(suite.seeds)) != len(suite.seeds) or min(suite.seeds) < 0:
+        raise ConfigError(f"bench: suite {path}: seeds must be distinct non-negative integers, got {suite.seeds}")
+    for method, spec in (suite.methods or {}).items():
+        unknown = sorted(set(spec.per_setting) - set(suite.settings))
+        if unknown:
+            raise ConfigError(f"bench: suite {path}: method {method} names unknown settings {unknown}")
+    return suite
+
+
+@dataclass
+class Cell:
+    """One (setting, method, seed) of a suite: its run directory, and its config or why it cannot run."""
+
+    index: int
+    setting: str
+    method: str
+    seed: int
+    path: Path
+    config: Any = None  # fedistill.config.Config
+    why_not: str | None = None  # the refusal of a method that cannot run this setting
+
+    def state(self) -> str:
+        """n/a, done, partial (resumable) or todo."""
+        if self.why_not is None and (self.path / NOT_APPLICABLE).is_file():
+            self.why_not = (self.path / NOT_APPLICABLE).read_text().strip()  # refused when it was set up
+        if self.why_not is not None:
+            return "n/a"
+        summary = self.path / "summary.json"
+        if summary.is_file():
+            try:
+                saved = json.loads(summary.read_text())
+            except (OSError, ValueError):
+                saved = {}
+            # finished with the suite's rounds (a suite asking for more rounds continues the cell), or diverged
+            if saved.get("status") == "diverged" or (saved.get("status") == "finished" and saved.get("rounds", 0) >= self.config.rounds):
+                return "done"
+        return "partial" if (self.path / "config.yaml").is_file() else "todo"
+
+
+def _dir_name(text: str) -> str:
+    return text.replace("/", "_").replace(" ", "_")
+
+
+def suite_cells(suite: Suite, root: Path, overrides: list[str] | None = None) -> list[Cell]:
+    """Every cell of the suite in a fixed order (setting, method, seed), each validated before any runs."""
+    from .reproduce import _merge
+    from .config import build_config
+
+    cells = []
+    for setting, setting_spec in suite.settings.items():
+        for method, spec in suite.method_specs().items():
+            tree = _merge(_merge(_merge(suite.protocol, setting_spec.config), spec.config), spec.per_setting.get(setting, {}))
+            tree = _merge(tree, suite.card_settings(tree))
+            for seed in suite.seeds:
+                path = root / setting / _dir_name(method) / f"seed{seed}"
+                cell = Cell(len(cells), setting, method, seed, path)
+                try:
+                    cell.config = build_config({**tree, "seed": seed}, overrides or [])
+                except ConfigError as exc:
+                    cell.why_not = str(exc)
+                cells.append(cell)
+    return cells
+
+
+def _threads_per_cell(jobs: int) -> int:
+    return max(1, (os.cpu_count() or 1) // jobs)
+
+
+def _run_cell(config_tree: dict[str, Any], path: str) -> tuple[str, float]:
+    """Run (or resume, or reuse) one cell; in a worker process with --jobs. Returns (path, seconds)."""
+    import io
+
+    from rich.console import Console
+
+    from .config import build_config
+    from .reproduce import ensure_run
+
+    start = time.perf_counter()
+    try:
+        ensure_run(build_config(config_tree), Path(path), Console(file=io.StringIO(), width=120))
+    except ConfigError as exc:
+        # Refused while the run was set up (a model the method cannot split, ...): n/a with the reason, kept
+        # so that later benches skip it; a configuration that changed is the user's to resolve, not n/a.
+        if "holds a run with another configuration" in str(exc):
+            raise
+        Path(path).mkdir(parents=True, exist_ok=True)
+        (Path(path) / NOT_APPLICABLE).write_text(f"{exc}\n")
+    return path, time.perf_counter() - start
+
+
+def bench(
+    suite: Suite,
+    out_dir: Path,
+    jobs: int = 1,
+    only: list[int] | None = None,
+    overrides: list[str] | None = None,
+    console=None,
+) -> list[dict[str, Any]]:
+    """Run the suite's cells (all, or those numbered in ``only``), ``jobs`` at a time, then write and return the
+    leaderboard of every finished cell."""
+    from .runner import make_console
+
+    console = console or make_console(wide=True)
+    cores = os.cpu_count() or 1
+    if jobs < 1:
+        raise ConfigError(f"bench --jobs: {jobs}; give 1 or more")
+    if jobs > cores:
+        raise ConfigError(f"bench --jobs: {jobs} cells at once on {cores} cores would oversubscribe them; use at most {cores}")
+    overrides = list(overrides or [])
+    if not any(o.split("=", 1)[0].strip() == "run.threads" for o in overrides):
+        overrides.append(f"run.threads={_threads_per_cell(jobs)}")
+    threads = next(o.split("=", 1)[1].strip() for o in reversed(overrides) if o.split("=", 1)[0].strip() == "run.threads")
+    overrides += ["run.progress=false"]
+    root = Path(out_dir) / suite.name
+    cells = suite_cells(suite, root, overrides)
+    if only is not None:
+        bad = [i for i in only if not 0 <= i < len(cells)]
+        if bad:
+            raise ConfigError(f"bench --cell: {', '.join(map(str, bad))} not in 0..{len(cells) - 1} (fedistill bench {suite.name} --cells lists them)")
+    _refuse_changed_cells(cells)
+    chosen = [cells[i] for i in only] if only is not None else cells
+    todo = [c for c in chosen if c.why_not is None and c.state() != "done"]
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"bench --out {out_dir}: cannot create {root} ({exc.strerror or exc}); choose another --out") from None
+    console.print(
+        f"[bold]{suite.name}[/]: {len(cells)} cells ({sum(c.why_not is not None for c in cells)} n/a), "
+        f"{len(todo)} to run, {jobs} at a time with {threads} thread(s) each -> {root}"
+    )
+    started, durations = time.perf_counter(), []
+
+    def finished(cell: Cell, seconds: float, done: int) -> None:
+        durations.append(seconds)
+        left = len(todo) - done
+        eta = statistics.fmean(durations) * left / jobs
+        console.print(
+            f"cell {cell.index} {cell.setting} / {cell.method} / seed {cell.seed}: {_final_text(cell)} in {seconds:.0f} s "
+            f"({done}/{len(todo)}; ETA {_duration(eta)})",
+            highlight=False,
+        )
+
+    if jobs == 1:
+        for i, cell in enumerate(todo, 1):
+            _, seconds = _run_cell(cell.config.resolved_dict(), str(cell.path))
+            finished(cell, seconds, i)
+    elif todo:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor, as_completed
+
+        context = multiprocessing.get_context("spawn")  # no forked torch state; plugins travel in $FEDISTILL_PLUGINS
+        with ProcessPoolExecutor(max_workers=jobs, mp_context=context) as pool:
+            futures = {pool.submit(_run_cell, c.config.resolved_dict(), str(c.path)): c for c in todo}
+            for i, future in enumerate(as_completed(futures), 1):
+                _, seconds = future.result()
+                finished(futures[future], seconds, i)
+    rows = leaderboard_rows(suite, cells)
+    write_leaderboard(suite, rows, root)
+    console.print(f"leaderboard: {root / 'leaderboard.md'} (and .csv, .json) after {_duration(time.perf_counter() - started)}")
+    return rows
+
+
+def _refuse_changed_cells(cells: list[Cell]) -> None:
+    """Before anything runs: a cell directory holding a run of another configuration (the suite or --set
+    changed) is refused, finished or not, so the leaderboard never mixes two protocols."""
+    from .reproduce import _read, _stripped
+
+    for cell in cells:
+        if cell.why_not is None and (cell.path / "config.yaml").is_file():
+            saved, _, _ = _read(cell.path)
+            if _stripped(saved) != _stripped(cell.config.to_dict()):
+                raise ConfigError(
+                    f"bench: {cell.path} holds a run with another configuration (the suite or --set changed); "
+                    "use another --out, or delete that directory"
+                )
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
+
+
+def _final_text(cell: Cell) -> str:
+    if cell.state() == "n/a":
+        return f"n/a ({cell.why_not})"
+    result = _cell_result(cell)
+    if result is None or result.final is None:
+        return "no result"
+    return f"diverged after round {result.diverged_after}" if result.diverged_after else f"final {result.final:.2f} %"
+
+
+def _cell_result(cell: Cell):
+    """The finished cell's numbers (reproduce's RunResult), or None."""
+    if cell.why_not is not None or not (cell.path / "config.yaml").is_file():
+        return None
+    from .reproduce import _read, run_result
+
+    _, rows, summary = _read(cell.path)
+    if summary.get("status") not in ("finished", "diverged"):
+        return None
+    return run_result(cell.config, cell.setting, cell.method, cell.seed, rows[: cell.config.rounds], summary.get("status") == "diverged")
+
+
+def _stat(values: list[float]) -> tuple[float | None, float | None]:
+    if not values:
+        return None, None
+    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else None)
+
+
+def leaderboard_rows(suite: Suite, cells: list[Cell]) -> list[dict[str, Any]]:
+    """Per setting, one row per method, ranked by final accuracy (mean over the finished seeds); n/a and
+    unfinished methods last."""
+    rows = []
+    for setting, spec in suite.settings.items():
+        part = []
+        for method in suite.method_specs():
+            mine = [c for c in cells if c.setting == setting and c.method == method]
+            row: dict[str, Any] = {"setting": setting, "label": spec.label, "method": method, "seeds": len(mine)}
+            if any(c.state() == "n/a" for c in mine):
+                part.append({**row, "status": "n/a", "why": next(c.why_not for c in mine if c.why_not)})
+                continue
+            results = [r for r in (_cell_result(c) for c in mine) if r is not None]
+            ok = [r for r in results if r.diverged_after is None]
+            final_mean, final_std = _stat([r.final for r in ok if r.final is not None])
+            best_mean, best_std = _stat([r.best for r in ok if r.best is not None])
+            reach = []
+            if suite.target_accuracy is not None:
+                reach = [r.first_round_reaching(suite.target_accuracy) for r in ok]
+            reached = [x for x in reach if x is not None]
+            row.update(
+                metric=mine[0].config.accuracy_metric(),
+                status="done" if len(results) == len(mine) else f"{len(results)}/{len(mine)} seeds",
+                finished=len(results), diverged=sum(r.diverged_after is not None for r in results),
+                final_accuracy=final_mean, final_accuracy_std=final_std, best_accuracy=best_mean, best_accuracy_std=best_std,
+                rounds_to_target=statistics.fmean(reached) if reached else None, reached_target=f"{len(reached)}/{len(reach)}" if reach else None,
+                mb_per_round=_stat([r.bytes_per_round / 1e6 for r in results if r.bytes_per_round is not None])[0],
+                seconds_per_round=_stat([r.seconds_per_round for r in results if r.seconds_per_round])[0],
+                why=None,
+            )  # fmt: skip
+            part.append(row)
+        ranked = sorted(
+            (r for r in part if r.get("final_accuracy") is not None), key=lambda r: (-r["final_accuracy"], r["method"])
+        )
+        for rank, row in enumerate(ranked, 1):
+            row["rank"] = rank
+        rows += ranked + [r for r in part if r.get("final_accuracy") is None]
+    return rows
+
+
+def _pm(mean: float | None, std: float | None) -> str:
+    if mean is None:
+        return "-"
+    return f"{mean:.2f}" + (f" ± {std:.2f}" if std is not None else "")
+
+
+def _num(value: float | None, spec: str) -> str:
+    return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
+
+
+def leaderboard_markdown(suite: Suite, rows: list[dict[str, Any]]) -> str:
+    lines = [f"# {suite.title}", ""]
+    if suite.description:
+        lines += [suite.description.strip(), ""]
+    lines += [f"Seeds {suite.seeds}; ranked by final accuracy (mean ± std over the seeds that finished).", ""]
+    lines += [f"- {note}" for note in suite.notes] + ([""] if suite.notes else [])
+    target = f"rounds to {suite.target_accuracy:g} %" if suite.target_accuracy is not None else "rounds to target"
+    for setting, spec in suite.settings.items():
+        lines += [f"## {spec.label}", "", f"| rank | method | final acc % | best acc % | metric | {target} | MB/round | s/round | seeds |", "|---|---|---|---|---|---|---|---|---|"]
+        for r in (r for r in rows if r["setting"] == setting):
+            if r["status"] == "n/a":
+                lines.append(f"| - | {r['method']} | n/a: {r['why'].replace('|', '/')} | | | | | | |")
+                continue
+            reach = "-" if r["reached_target"] is None else (f"{r['rounds_to_target']:.1f} ({r['reached_target']})" if r["rounds_to_target"] is not None else f"n/r ({r['reached_target']})")
+            seeds = f"{r['finished']}/{r['seeds']}" + (f", {r['diverged']} diverged" if r["diverged"] else "")
+            lines.append(
+                f"| {r.get('rank', '-')} | {r['method']} | {_pm(r['final_accuracy'], r['final_accuracy_std'])} | "
+                f"{_pm(r['best_accuracy'], r['best_accuracy_std'])} | {r['metric']} | {reach} | {_num(r['mb_per_round'], '.3f')} | "
+                f"{_num(r['seconds_per_round'], '.2f')} | {seeds} |"
+            )
+        lines.append("")
+    return "\n".join(lines)
+
+
+def write_leaderboard(suite: Suite, rows: list[dict[str, Any]], root: Path) -> None:
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "leaderboard.md").write_text(leaderboard_markdown(suite, rows))
+    (root / "leaderboard.json").write_text(json.dumps(rows, indent=1))
+    fields = list(dict.fromkeys(k for r in rows for k in r))
+    with open(root / "leaderboard.csv", "w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=fields)
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def list_cells(suite: Suite, out_dir: Path, overrides: list[str] | None = None) -> list[Cell]:
+    """``--cells``: one tab-separated line per cell, never wrapped (scripts read it): number, setting, method,
+    seed and state (n/a with its reason)."""
+    cells = suite_cells(suite, Path(out_dir) / suite.name, overrides)
+    for c in cells:
+        state = c.state()
+        reason = f"  ({c.why_not})" if c.why_not else ""
+        print(f"{c.index}\t{c.setting}\t{c.method}\tseed {c.seed}\t{state}{reason}")
+    return cells

@@ -1,0 +1,148 @@
+"""``fedistill bench``: suites, cells, n/a methods, resume, --jobs, --cell, and the leaderboard's numbers."""
+
+from __future__ import annotations
+
+import csv
+import json
+import statistics
+from pathlib import Path
+
+import pytest
+import yaml
+
+from fedistill.bench import available_suites, bench, load_suite, suite_cells
+from fedistill.cli import main
+from fedistill.errors import ConfigError
+
+TINY = {
+    "name": "tiny-bench",
+    "title": "tiny bench on digits",
+    "protocol": {
+        "rounds": 2, "clients_per_round": 3, "dataset": {"name": "digits"},
+        "partition": {"num_clients": 6, "seed": 3}, "local": {"epochs": 1, "batch_size": 32, "lr": 0.05},
+        "run": {"checkpoint_every": 1},
+    },  # fmt: skip
+    "settings": {
+        "iid": {"label": "digits iid", "config": {"partition": {"scheme": "iid"}}},
+        "lda": {"label": "digits LDA 0.3", "config": {"partition": {"scheme": "lda", "alpha": 0.3}}},
+    },
+    "methods": {
+        "FedAvg": {"config": {"algorithm": {"name": "fedavg"}}},
+        "FedProx mu=0": {"config": {"algorithm": {"name": "fedprox", "mu": 0.0}}},
+        "pFedMe momentum": {"config": {"algorithm": {"name": "pfedme"}, "local": {"momentum": 0.9}}},  # refused by its config
+        "FedGKT on a CNN": {"config": {"algorithm": {"name": "fedgkt"}, "model": {"name": "digits_cnn"}}},  # refused at set-up
+    },
+    "seeds": [0, 1],
+    "target_accuracy": 15.0,
+}
+
+
+def _suite(tmp_path: Path, **changes) -> Path:
+    path = tmp_path / "tiny-bench.yaml"
+    path.write_text(yaml.safe_dump({**TINY, **changes}, sort_keys=False, allow_unicode=True))
+    return path
+
+
+def _finals(cell_dir: Path) -> float:
+    rows = [json.loads(line) for line in (cell_dir / "metrics.jsonl").read_text().splitlines()]
+    return rows[-1]["test_accuracy"]
+
+
+def test_bench_runs_every_cell_and_ranks_the_methods(tmp_path, capsys):
+    suite = load_suite(str(_suite(tmp_path)))
+    rows = bench(suite, tmp_path / "out", overrides=["run.threads=1"])
+    root = tmp_path / "out" / "tiny-bench"
+    for setting in ("iid", "lda"):
+        part = [r for r in rows if r["setting"] == setting]
+        by = {r["method"]: r for r in part}
+        # the leaderboard's mean ± std, recomputed from the cells' own metric files
+        finals = [_finals(root / setting / "FedAvg" / f"seed{s}") for s in (0, 1)]
+        assert by["FedAvg"]["final_accuracy"] == pytest.approx(statistics.fmean(finals))
+        assert by["FedAvg"]["final_accuracy_std"] == pytest.approx(statistics.stdev(finals))
+        # FedProx with mu 0 is FedAvg step for step: the same numbers, so the same rank order by name
+        assert by["FedProx mu=0"]["final_accuracy"] == by["FedAvg"]["final_accuracy"]
+        assert [r["method"] for r in part[:2]] == ["FedAvg", "FedProx mu=0"] and [r["rank"] for r in part[:2]] == [1, 2]
+        # methods that cannot run the setting are n/a with the reason, refused by config or at set-up
+        assert "local.momentum" in by["pFedMe momentum"]["why"] and by["pFedMe momentum"]["status"] == "n/a"
+        assert "extractor/predictor split" in by["FedGKT on a CNN"]["why"]
+        assert by["FedAvg"]["mb_per_round"] > 0 and by["FedAvg"]["seconds_per_round"] > 0
+    table = (root / "leaderboard.md").read_text()
+    assert "## digits iid" in table and "| 1 | FedAvg |" in table and "n/a: " in table
+    with open(root / "leaderboard.csv") as fh:
+        assert len(list(csv.DictReader(fh))) == 8
+    out = capsys.readouterr().out
+    assert "cell 0 iid / FedAvg / seed 0: final" in out and "ETA" in out
+
+
+def test_one_cell_at_a_time_then_the_rest_reuses_it(tmp_path, capsys):
+    path = _suite(tmp_path)
+    out = tmp_path / "out"
+    assert main(["bench", str(path), "--cell", "1", "--out", str(out), "--set", "run.threads=1"]) == 0
+    capsys.readouterr()
+    assert main(["bench", str(path), "--cells", "--out", str(out)]) == 0
+    states = [line.split("\t")[4].split()[0] for line in capsys.readouterr().out.splitlines()]
+    assert states[:4] == ["todo", "done", "todo", "todo"] and states[4] == "n/a"  # pFedMe refused by its config
+    cell = out / "tiny-bench" / "iid" / "FedAvg" / "seed1"
+    stamp = (cell / "metrics.jsonl").stat().st_mtime_ns
+    assert main(["bench", str(path), "--out", str(out), "--set", "run.threads=1"]) == 0
+    assert (cell / "metrics.jsonl").stat().st_mtime_ns == stamp  # the finished cell was reused, not rerun
+    assert main(["bench", str(path), "--cell", "99", "--out", str(out)]) == 2
+
+
+def test_a_stopped_bench_continues_and_a_changed_cell_is_refused(tmp_path):
+    out = tmp_path / "out"
+    one = {"FedAvg": TINY["methods"]["FedAvg"]}
+    # a bench stopped after round 1 of every cell, then the same suite continued to round 2 from the checkpoints
+    bench(load_suite(str(_suite(tmp_path, methods=one, protocol={**TINY["protocol"], "rounds": 1}))), out, overrides=["run.threads=1"])
+    bench(load_suite(str(_suite(tmp_path, methods=one))), out, overrides=["run.threads=1"])
+    fresh = tmp_path / "fresh"
+    bench(load_suite(str(_suite(tmp_path, methods=one))), fresh, overrides=["run.threads=1"])
+    for setting in ("iid", "lda"):
+        rows = lambda root: [  # noqa: E731
+            (r["round"], r["test_accuracy"], r["train_loss"])
+            for r in map(json.loads, (root / "tiny-bench" / setting / "FedAvg" / "seed0" / "metrics.jsonl").read_text().splitlines())
+        ]
+        assert rows(out) == rows(fresh) and len(rows(out)) == 2  # resumed = uninterrupted, bit for bit
+    changed = {**TINY["protocol"], "local": {**TINY["protocol"]["local"], "lr": 0.01}}
+    with pytest.raises(ConfigError, match="another configuration"):
+        bench(load_suite(str(_suite(tmp_path, methods=one, protocol=changed))), out, overrides=["run.threads=1"])
+
+
+def test_jobs_run_cells_in_parallel_processes_with_the_same_numbers(tmp_path):
+    suite = load_suite(str(_suite(tmp_path, methods={"FedAvg": TINY["methods"]["FedAvg"]})))
+    serial = bench(suite, tmp_path / "serial", jobs=1, overrides=["run.threads=1"])
+    parallel = bench(suite, tmp_path / "parallel", jobs=2, overrides=["run.threads=1"])
+    assert [(r["method"], r["final_accuracy"], r["best_accuracy"]) for r in serial] == [
+        (r["method"], r["final_accuracy"], r["best_accuracy"]) for r in parallel
+    ]
+    with pytest.raises(ConfigError, match="oversubscribe"):
+        bench(suite, tmp_path / "x", jobs=10_000)
+
+
+def test_bad_suites_are_one_clear_error(tmp_path):
+    for changes, message in [
+        ({"settings": {}}, "settings is empty"),
+        ({"seeds": [0, 0]}, "seeds must be distinct"),
+        ({"methods": {"FedAvg": {"per_setting": {"cifar": {}}}}}, "unknown settings"),
+        ({"protocol": "fedavg"}, "protocol"),
+        ({"extra": 1}, "extra"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            load_suite(str(_suite(tmp_path, **changes)))
+    with pytest.raises(ConfigError, match="no suite 'nope'"):
+        load_suite("nope")
+
+
+def test_shipped_suites_validate_every_cell():
+    """fd-mnist and fd-fmnist (run here) and the paper-scale CIFAR suites (for GPUs): every method, every setting,
+    every seed builds its configuration; methods left out mean every registered one on its card defaults."""
+    names = [name for name, _ in available_suites()]
+    assert {"fd-mnist", "fd-fmnist", "fd-cifar10", "fd-cifar100"} <= set(names)
+    for name in names:
+        suite = load_suite(name)
+        cells = suite_cells(suite, Path("unused"))
+        assert cells and all(c.why_not is None for c in cells), [(c.method, c.why_not) for c in cells if c.why_not]
+        pfedme = next(c for c in cells if c.method == "pfedme")
+        assert pfedme.config.local.momentum == 0.0  # the card's value wins over the protocol's momentum
+        fedict = next(c for c in cells if c.method == "fedict")
+        assert fedict.config.model.name == "fd_resnet8" and fedict.config.model.server == "fd_server_resnet56"
