@@ -21,7 +21,7 @@ TINY = {
         "rounds": 2, "clients_per_round": 3, "dataset": {"name": "digits"},
         "partition": {"num_clients": 6, "seed": 3}, "local": {"epochs": 1, "batch_size": 32, "lr": 0.05},
         "run": {"checkpoint_every": 1},
-    },  # fmt: skip
+    },
     "settings": {
         "iid": {"label": "digits iid", "config": {"partition": {"scheme": "iid"}}},
         "lda": {"label": "digits LDA 0.3", "config": {"partition": {"scheme": "lda", "alpha": 0.3}}},
@@ -97,12 +97,12 @@ def test_a_stopped_bench_continues_and_a_changed_cell_is_refused(tmp_path):
     bench(load_suite(str(_suite(tmp_path, methods=one))), out, overrides=["run.threads=1"])
     fresh = tmp_path / "fresh"
     bench(load_suite(str(_suite(tmp_path, methods=one))), fresh, overrides=["run.threads=1"])
+    def rows(root: Path, setting: str) -> list[tuple]:
+        lines = (root / "tiny-bench" / setting / "FedAvg" / "seed0" / "metrics.jsonl").read_text().splitlines()
+        return [(r["round"], r["test_accuracy"], r["train_loss"]) for r in map(json.loads, lines)]
+
     for setting in ("iid", "lda"):
-        rows = lambda root: [  # noqa: E731
-            (r["round"], r["test_accuracy"], r["train_loss"])
-            for r in map(json.loads, (root / "tiny-bench" / setting / "FedAvg" / "seed0" / "metrics.jsonl").read_text().splitlines())
-        ]
-        assert rows(out) == rows(fresh) and len(rows(out)) == 2  # resumed = uninterrupted, bit for bit
+        assert rows(out, setting) == rows(fresh, setting) and len(rows(out, setting)) == 2  # resumed = uninterrupted
     changed = {**TINY["protocol"], "local": {**TINY["protocol"]["local"], "lr": 0.01}}
     with pytest.raises(ConfigError, match="another configuration"):
         bench(load_suite(str(_suite(tmp_path, methods=one, protocol=changed))), out, overrides=["run.threads=1"])
