@@ -70,6 +70,11 @@ def test_bench_runs_every_cell_and_ranks_the_methods(tmp_path, capsys):
     assert "## digits iid" in table and "| 1 | FedAvg |" in table and "n/a: " in table
     with open(root / "leaderboard.csv") as fh:
         assert len(list(csv.DictReader(fh))) == 8
+    page = (root / "leaderboard.html").read_text()
+    assert page.count("<table>") == 2 and page.count("data:image/png;base64,") == 2  # self-contained
+    assert "http" not in page.replace("http-equiv", "")  # nothing to fetch
+    assert "<td class='m'>FedAvg</td>" in page and "n/a: local.momentum" in page
+    assert (root / "leaderboard_iid.png").stat().st_size > 20_000
     out = capsys.readouterr().out
     assert "cell 0 iid / FedAvg / seed 0: final" in out and "ETA" in out
 
@@ -146,3 +151,11 @@ def test_shipped_suites_validate_every_cell():
         assert pfedme.config.local.momentum == 0.0  # the card's value wins over the protocol's momentum
         fedict = next(c for c in cells if c.method == "fedict")
         assert fedict.config.model.name == "fd_resnet8" and fedict.config.model.server == "fd_server_resnet56"
+
+
+def test_seed_bands_average_the_rounds_every_seed_has():
+    from fedistill.report.leaderboard import mean_band
+
+    band = mean_band([[(1, 10.0), (2, 20.0), (3, 30.0)], [(1, 14.0), (2, 24.0)]])
+    assert band == [(1, 12.0, pytest.approx(2.8284271)), (2, 22.0, pytest.approx(2.8284271))]  # std of (10, 14): 2*sqrt(2)
+    assert mean_band([[(1, 5.0)]]) == [(1, 5.0, 0.0)] and mean_band([]) == []

@@ -283,8 +283,8 @@ def bench(
                 _, seconds = future.result()
                 finished(futures[future], seconds, i)
     rows = leaderboard_rows(suite, cells)
-    write_leaderboard(suite, rows, root)
-    console.print(f"leaderboard: {root / 'leaderboard.md'} (and .csv, .json) after {_duration(time.perf_counter() - started)}")
+    write_leaderboard(suite, rows, root, cells)
+    console.print(f"leaderboard: {root / 'leaderboard.md'} (and .csv, .json, .html) after {_duration(time.perf_counter() - started)}")
     return rows
 
 
@@ -409,8 +409,24 @@ def leaderboard_markdown(suite: Suite, rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def write_leaderboard(suite: Suite, rows: list[dict[str, Any]], root: Path) -> None:
+def write_leaderboard(suite: Suite, rows: list[dict[str, Any]], root: Path, cells: list[Cell] | None = None) -> None:
+    """leaderboard.md, .csv, .json and, given the cells (for the curves), one figure per setting and the
+    self-contained leaderboard.html (report/leaderboard.py)."""
     root.mkdir(parents=True, exist_ok=True)
+    if cells is not None:
+        from .report.leaderboard import plot_setting, write_html
+
+        figures = {}
+        for setting, spec in suite.settings.items():
+            curves: dict[str, list[list[tuple[int, float]]]] = {}
+            for cell in (c for c in cells if c.setting == setting):
+                result = _cell_result(cell)
+                if result is not None and result.diverged_after is None and result.accuracies:
+                    curves.setdefault(cell.method, []).append(result.accuracies)
+            part = [r for r in rows if r["setting"] == setting]
+            figures[setting] = plot_setting(spec.label, part, curves, root / f"leaderboard_{_dir_name(setting)}.png")
+        labels = {setting: spec.label for setting, spec in suite.settings.items()}
+        write_html(suite.title, suite.description, suite.notes, labels, rows, figures, suite.target_accuracy, root / "leaderboard.html")
     (root / "leaderboard.md").write_text(leaderboard_markdown(suite, rows))
     (root / "leaderboard.json").write_text(json.dumps(rows, indent=1))
     fields = list(dict.fromkeys(k for r in rows for k in r))

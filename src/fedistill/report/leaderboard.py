@@ -1,0 +1,116 @@
+"""The figures and the self-contained HTML page of a ``fedistill bench`` leaderboard (issue 28).
+
+Per setting: the accuracy curves of every method (mean over its seeds, with a ±1 std band), and final
+accuracy against MB per round and against seconds per round (the Pareto view: up and to the left is better).
+``leaderboard.html`` holds the tables and the figures (as embedded PNG), so it opens without a network or
+the files beside it.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import math
+import statistics
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = ["mean_band", "plot_setting", "write_html"]
+
+
+def mean_band(curves: Sequence[Sequence[tuple[int, float]]]) -> list[tuple[int, float, float]]:
+    """(round, mean, std) over the rounds every curve has (std 0 for a single curve)."""
+    if not curves:
+        return []
+    common = set.intersection(*(set(r for r, _ in c) for c in curves))
+    out = []
+    for rnd in sorted(common):
+        values = [dict(c)[rnd] for c in curves]
+        out.append((rnd, statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0))
+    return out
+
+
+def plot_setting(label: str, rows: list[dict[str, Any]], curves: dict[str, list[list[tuple[int, float]]]], path: Path) -> Path:
+    """One figure of three panels for one setting: curves with seed bands, accuracy vs MB, accuracy vs s."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(17, 5.2))
+    colours = plt.get_cmap("tab20")
+    ranked = [r for r in rows if r.get("final_accuracy") is not None]
+    for i, row in enumerate(ranked):
+        colour = colours(i % 20)
+        band = mean_band(curves.get(row["method"], []))
+        if band:
+            rounds = [b[0] for b in band]
+            mean = [b[1] for b in band]
+            axes[0].plot(rounds, mean, color=colour, label=row["method"], linestyle="-" if i < 10 else "--", linewidth=1.3)
+            axes[0].fill_between(rounds, [m - b[2] for m, b in zip(mean, band)], [m + b[2] for m, b in zip(mean, band)], color=colour, alpha=0.12)
+        for axis, key in ((axes[1], "mb_per_round"), (axes[2], "seconds_per_round")):
+            if row.get(key):
+                axis.errorbar(row[key], row["final_accuracy"], yerr=row.get("final_accuracy_std") or 0, fmt="o", color=colour, capsize=2)
+                axis.annotate(row["method"], (row[key], row["final_accuracy"]), fontsize=7, xytext=(3, 3), textcoords="offset points")
+    axes[0].set(title=f"{label}: accuracy (mean ± std over seeds)", xlabel="round", ylabel="accuracy %")
+    axes[1].set(title="final accuracy against traffic", xlabel="MB per round (down + up)", ylabel="final accuracy %", xscale="log")
+    axes[2].set(title="final accuracy against time", xlabel="seconds per round", ylabel="final accuracy %", xscale="log")
+    if ranked:
+        axes[0].legend(fontsize=7, ncol=2, loc="lower right")
+    for axis in axes:
+        axis.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def _cell(value: Any, spec: str = ".2f") -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    return format(value, spec) if isinstance(value, (int, float)) else html.escape(str(value))
+
+
+def write_html(title: str, description: str, notes: list[str], settings: dict[str, str], rows: list[dict[str, Any]],
+               figures: dict[str, Path], target: float | None, path: Path) -> Path:  # fmt: skip
+    """leaderboard.html: every setting's ranked table and its figure, with nothing fetched from anywhere."""
+    target_head = f"rounds to {target:g} %" if target is not None else "rounds to target"
+    parts = [
+        "<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>",
+        f"<title>{html.escape(title)}</title>",
+        "<style>body{font-family:system-ui,sans-serif;margin:2em;max-width:1500px;color:#222}"
+        "table{border-collapse:collapse;margin:1em 0}th,td{border:1px solid #ccc;padding:4px 8px;text-align:right}"
+        "th{background:#f0f0f0}td.m,th.m{text-align:left}tr.na td{color:#888}img{max-width:100%}</style></head><body>",
+        f"<h1>{html.escape(title)}</h1>",
+    ]
+    if description:
+        parts.append(f"<p>{html.escape(description)}</p>")
+    if notes:
+        parts.append("<ul>" + "".join(f"<li>{html.escape(n)}</li>" for n in notes) + "</ul>")
+    for setting, label in settings.items():
+        parts.append(f"<h2 id='{html.escape(setting)}'>{html.escape(label)}</h2>")
+        parts.append(
+            "<table><tr><th>rank</th><th class='m'>method</th><th>final acc %</th><th>best acc %</th><th>metric</th>"
+            f"<th>{html.escape(target_head)}</th><th>MB/round</th><th>s/round</th><th>seeds</th></tr>"
+        )
+        for r in (r for r in rows if r["setting"] == setting):
+            if r["status"] == "n/a":
+                parts.append(f"<tr class='na'><td>-</td><td class='m'>{html.escape(r['method'])}</td><td colspan='7' class='m'>n/a: {html.escape(r['why'])}</td></tr>")
+                continue
+            final = _cell(r["final_accuracy"]) + (f" ± {r['final_accuracy_std']:.2f}" if r.get("final_accuracy_std") is not None else "")
+            best = _cell(r["best_accuracy"]) + (f" ± {r['best_accuracy_std']:.2f}" if r.get("best_accuracy_std") is not None else "")
+            reach = "-" if r.get("reached_target") is None else (f"{r['rounds_to_target']:.1f} ({r['reached_target']})" if r.get("rounds_to_target") is not None else f"n/r ({r['reached_target']})")
+            parts.append(
+                f"<tr><td>{r.get('rank', '-')}</td><td class='m'>{html.escape(r['method'])}</td><td>{final}</td><td>{best}</td>"
+                f"<td>{_cell(r.get('metric'))}</td><td>{html.escape(reach)}</td><td>{_cell(r.get('mb_per_round'), '.3f')}</td>"
+                f"<td>{_cell(r.get('seconds_per_round'))}</td><td>{r.get('finished', 0)}/{r['seeds']}</td></tr>"
+            )
+        parts.append("</table>")
+        figure = figures.get(setting)
+        if figure is not None and figure.is_file():
+            data = base64.b64encode(figure.read_bytes()).decode("ascii")
+            parts.append(f"<img alt='{html.escape(label)}: curves and Pareto views' src='data:image/png;base64,{data}'>")
+    parts.append("</body></html>")
+    path.write_text("\n".join(parts), encoding="utf-8")
+    return path
