@@ -159,3 +159,23 @@ def test_seed_bands_average_the_rounds_every_seed_has():
     band = mean_band([[(1, 10.0), (2, 20.0), (3, 30.0)], [(1, 14.0), (2, 24.0)]])
     assert band == [(1, 12.0, pytest.approx(2.8284271)), (2, 22.0, pytest.approx(2.8284271))]  # std of (10, 14): 2*sqrt(2)
     assert mean_band([[(1, 5.0)]]) == [(1, 5.0, 0.0)] and mean_band([]) == []
+
+
+def test_round_flops_match_the_logistic_models_count_by_hand():
+    """One round of FedAvg with logistic regression (60 -> 10, no hidden layer) on 10 synthetic clients: each
+    training sample costs a forward matmul (2 * 60 * 10) and the weight gradient's (2 * 60 * 10; the input needs
+    no gradient), each of the 500 held-out samples one forward: 2400 * n * E + 1200 * 500."""
+    from fedistill.bench import count_round_flops
+    from fedistill.config import build_config
+    from fedistill.data.synthetic import SyntheticClients, SyntheticSpec
+
+    base = {
+        "dataset": {"name": "synthetic", "synthetic": {"max_samples": 100, "test_samples": 500}},
+        "partition": {"scheme": "natural", "num_clients": 10}, "clients_per_round": 10,
+        "run": {"progress": False, "threads": 1},
+    }  # fmt: skip
+    cfg = build_config(base)
+    n = int(SyntheticClients(SyntheticSpec(num_clients=10, seed=cfg.partition_seed(), max_samples=100, test_samples=500)).sizes.sum())
+    for epochs in (1, 3):
+        tree = build_config({**base, "local": {"epochs": epochs, "batch_size": 10, "momentum": 0.0}}).resolved_dict()
+        assert count_round_flops(tree)["flops_per_round"] == 2400 * n * epochs + 1200 * 500

@@ -194,8 +194,54 @@ def _threads_per_cell(jobs: int) -> int:
     return max(1, (os.cpu_count() or 1) // jobs)
 
 
-def _run_cell(config_tree: dict[str, Any], path: str) -> tuple[str, float]:
-    """Run (or resume, or reuse) one cell; in a worker process with --jobs. Returns (path, seconds)."""
+FLOPS_FILE = "flops.json"  # in a cell's directory: the FLOPs of one round, counted once per (setting, method)
+
+
+def count_round_flops(config_tree: dict[str, Any]) -> dict[str, Any]:
+    """The floating-point operations of the cell's first round (clients and server, evaluation included),
+    counted with ``torch.utils.flop_counter.FlopCounterMode`` on a one-round, one-process copy of the run.
+    Only the operations it has formulas for (matmul, convolution, attention: the bulk of the work) count."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from .config import build_config
+    from .runner import load_dataset_for
+    from .simulation import Simulation
+
+    cfg = build_config({**config_tree, "rounds": 1, "run": {**config_tree.get("run", {}), "workers": 1, "checkpoint_every": 0}})
+    simulation = Simulation(cfg, load_dataset_for(cfg))
+    try:
+        counter = FlopCounterMode(display=False)
+        with counter:
+            simulation.run()
+        return {"flops_per_round": int(counter.get_total_flops()), "torch": torch.__version__}
+    finally:
+        simulation.close()
+
+
+def measure_bf16_peak(threads: int, size: int = 2048, seconds: float = 1.0) -> float:
+    """This machine's bf16 matmul rate in GFLOP/s on ``threads`` threads (square matmuls, best of a second)."""
+    import torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        a = torch.randn(size, size, dtype=torch.bfloat16)
+        b = torch.randn(size, size, dtype=torch.bfloat16)
+        torch.mm(a, b)  # warm-up
+        best, deadline = 0.0, time.perf_counter() + seconds
+        while time.perf_counter() < deadline:
+            start = time.perf_counter()
+            torch.mm(a, b)
+            best = max(best, 2 * size**3 / (time.perf_counter() - start) / 1e9)
+        return best
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _run_cell(config_tree: dict[str, Any], path: str, count_flops: bool = False) -> tuple[str, float]:
+    """Run (or resume, or reuse) one cell; in a worker process with --jobs. Returns (path, seconds). With
+    ``count_flops`` (the first seed of a (setting, method)) also counts one round's FLOPs into flops.json."""
     import io
 
     from rich.console import Console
@@ -213,7 +259,15 @@ def _run_cell(config_tree: dict[str, Any], path: str) -> tuple[str, float]:
             raise
         Path(path).mkdir(parents=True, exist_ok=True)
         (Path(path) / NOT_APPLICABLE).write_text(f"{exc}\n")
-    return path, time.perf_counter() - start
+        return path, time.perf_counter() - start
+    seconds = time.perf_counter() - start
+    if count_flops and not (Path(path) / FLOPS_FILE).is_file():
+        try:
+            counted = count_round_flops(config_tree)
+        except Exception as exc:  # a counter that cannot follow a method is a missing number, not a failed cell
+            counted = {"flops_per_round": None, "error": f"{type(exc).__name__}: {exc}"}
+        (Path(path) / FLOPS_FILE).write_text(json.dumps(counted))
+    return path, seconds
 
 
 def bench(
@@ -268,9 +322,10 @@ def bench(
             highlight=False,
         )
 
+    first_seed = suite.seeds[0]
     if jobs == 1:
         for i, cell in enumerate(todo, 1):
-            _, seconds = _run_cell(cell.config.resolved_dict(), str(cell.path))
+            _, seconds = _run_cell(cell.config.resolved_dict(), str(cell.path), cell.seed == first_seed)
             finished(cell, seconds, i)
     elif todo:
         import multiprocessing
@@ -278,11 +333,12 @@ def bench(
 
         context = multiprocessing.get_context("spawn")  # no forked torch state; plugins travel in $FEDISTILL_PLUGINS
         with ProcessPoolExecutor(max_workers=jobs, mp_context=context) as pool:
-            futures = {pool.submit(_run_cell, c.config.resolved_dict(), str(c.path)): c for c in todo}
+            futures = {pool.submit(_run_cell, c.config.resolved_dict(), str(c.path), c.seed == first_seed): c for c in todo}
             for i, future in enumerate(as_completed(futures), 1):
                 _, seconds = future.result()
                 finished(futures[future], seconds, i)
-    rows = leaderboard_rows(suite, cells)
+    peak = measure_bf16_peak(cores)
+    rows = leaderboard_rows(suite, cells, peak)
     write_leaderboard(suite, rows, root, cells)
     console.print(f"leaderboard: {root / 'leaderboard.md'} (and .csv, .json, .html) after {_duration(time.perf_counter() - started)}")
     return rows
@@ -335,9 +391,21 @@ def _stat(values: list[float]) -> tuple[float | None, float | None]:
     return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else None)
 
 
-def leaderboard_rows(suite: Suite, cells: list[Cell]) -> list[dict[str, Any]]:
+def _flops(cells: list[Cell]) -> float | None:
+    for cell in cells:
+        path = cell.path / FLOPS_FILE
+        if path.is_file():
+            try:
+                return json.loads(path.read_text()).get("flops_per_round")
+            except (OSError, ValueError):
+                return None
+    return None
+
+
+def leaderboard_rows(suite: Suite, cells: list[Cell], peak_gflops: float | None = None) -> list[dict[str, Any]]:
     """Per setting, one row per method, ranked by final accuracy (mean over the finished seeds); n/a and
-    unfinished methods last."""
+    unfinished methods last. ``peak_gflops``: this machine's bf16 matmul rate on all its cores, measured by
+    this bench, against which each method's achieved rate (FLOPs of a round / seconds per round) is set."""
     rows = []
     for setting, spec in suite.settings.items():
         part = []
@@ -365,6 +433,13 @@ def leaderboard_rows(suite: Suite, cells: list[Cell]) -> list[dict[str, Any]]:
                 seconds_per_round=_stat([r.seconds_per_round for r in results if r.seconds_per_round])[0],
                 why=None,
             )  # fmt: skip
+            flops = _flops(mine)
+            achieved = flops / row["seconds_per_round"] / 1e9 if flops and row["seconds_per_round"] else None
+            row.update(
+                gflops_per_round=flops / 1e9 if flops else None, achieved_gflops_per_s=achieved,
+                percent_of_bf16_peak=100 * achieved / peak_gflops if achieved and peak_gflops else None,
+                bf16_peak_gflops_per_s=peak_gflops,
+            )  # fmt: skip
             part.append(row)
         ranked = sorted(
             (r for r in part if r.get("final_accuracy") is not None), key=lambda r: (-r["final_accuracy"], r["method"])
@@ -389,21 +464,32 @@ def leaderboard_markdown(suite: Suite, rows: list[dict[str, Any]]) -> str:
     lines = [f"# {suite.title}", ""]
     if suite.description:
         lines += [suite.description.strip(), ""]
-    lines += [f"Seeds {suite.seeds}; ranked by final accuracy (mean ± std over the seeds that finished).", ""]
+    peak = next((r.get("bf16_peak_gflops_per_s") for r in rows if r.get("bf16_peak_gflops_per_s")), None)
+    lines += [
+        f"Seeds {suite.seeds}; ranked by final accuracy (mean ± std over the seeds that finished). GFLOP/round: one "
+        "round's operations counted by torch.utils.flop_counter (first seed); % of bf16 peak: GFLOP/round over s/round "
+        "against this machine's bf16 matmul rate on all cores"
+        + (f" ({peak:.0f} GFLOP/s, measured by this bench)." if peak else "."),
+        "",
+    ]  # fmt: skip
     lines += [f"- {note}" for note in suite.notes] + ([""] if suite.notes else [])
     target = f"rounds to {suite.target_accuracy:g} %" if suite.target_accuracy is not None else "rounds to target"
     for setting, spec in suite.settings.items():
-        lines += [f"## {spec.label}", "", f"| rank | method | final acc % | best acc % | metric | {target} | MB/round | s/round | seeds |", "|---|---|---|---|---|---|---|---|---|"]
+        lines += [
+            f"## {spec.label}", "",
+            f"| rank | method | final acc % | best acc % | metric | {target} | MB/round | s/round | GFLOP/round | % of bf16 peak | seeds |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
+        ]  # fmt: skip
         for r in (r for r in rows if r["setting"] == setting):
             if r["status"] == "n/a":
-                lines.append(f"| - | {r['method']} | n/a: {r['why'].replace('|', '/')} | | | | | | |")
+                lines.append(f"| - | {r['method']} | n/a: {r['why'].replace('|', '/')} | | | | | | | | |")
                 continue
             reach = "-" if r["reached_target"] is None else (f"{r['rounds_to_target']:.1f} ({r['reached_target']})" if r["rounds_to_target"] is not None else f"n/r ({r['reached_target']})")
             seeds = f"{r['finished']}/{r['seeds']}" + (f", {r['diverged']} diverged" if r["diverged"] else "")
             lines.append(
                 f"| {r.get('rank', '-')} | {r['method']} | {_pm(r['final_accuracy'], r['final_accuracy_std'])} | "
                 f"{_pm(r['best_accuracy'], r['best_accuracy_std'])} | {r['metric']} | {reach} | {_num(r['mb_per_round'], '.3f')} | "
-                f"{_num(r['seconds_per_round'], '.2f')} | {seeds} |"
+                f"{_num(r['seconds_per_round'], '.2f')} | {_num(r['gflops_per_round'], '.2f')} | {_num(r['percent_of_bf16_peak'], '.1f')} | {seeds} |"
             )
         lines.append("")
     return "\n".join(lines)

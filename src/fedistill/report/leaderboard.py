@@ -92,11 +92,11 @@ def write_html(title: str, description: str, notes: list[str], settings: dict[st
         parts.append(f"<h2 id='{html.escape(setting)}'>{html.escape(label)}</h2>")
         parts.append(
             "<table><tr><th>rank</th><th class='m'>method</th><th>final acc %</th><th>best acc %</th><th>metric</th>"
-            f"<th>{html.escape(target_head)}</th><th>MB/round</th><th>s/round</th><th>seeds</th></tr>"
+            f"<th>{html.escape(target_head)}</th><th>MB/round</th><th>s/round</th><th>GFLOP/round</th><th>% of bf16 peak</th><th>seeds</th></tr>"
         )
         for r in (r for r in rows if r["setting"] == setting):
             if r["status"] == "n/a":
-                parts.append(f"<tr class='na'><td>-</td><td class='m'>{html.escape(r['method'])}</td><td colspan='7' class='m'>n/a: {html.escape(r['why'])}</td></tr>")
+                parts.append(f"<tr class='na'><td>-</td><td class='m'>{html.escape(r['method'])}</td><td colspan='9' class='m'>n/a: {html.escape(r['why'])}</td></tr>")
                 continue
             final = _cell(r["final_accuracy"]) + (f" ± {r['final_accuracy_std']:.2f}" if r.get("final_accuracy_std") is not None else "")
             best = _cell(r["best_accuracy"]) + (f" ± {r['best_accuracy_std']:.2f}" if r.get("best_accuracy_std") is not None else "")
@@ -104,7 +104,8 @@ def write_html(title: str, description: str, notes: list[str], settings: dict[st
             parts.append(
                 f"<tr><td>{r.get('rank', '-')}</td><td class='m'>{html.escape(r['method'])}</td><td>{final}</td><td>{best}</td>"
                 f"<td>{_cell(r.get('metric'))}</td><td>{html.escape(reach)}</td><td>{_cell(r.get('mb_per_round'), '.3f')}</td>"
-                f"<td>{_cell(r.get('seconds_per_round'))}</td><td>{r.get('finished', 0)}/{r['seeds']}</td></tr>"
+                f"<td>{_cell(r.get('seconds_per_round'))}</td><td>{_cell(r.get('gflops_per_round'))}</td>"
+                f"<td>{_cell(r.get('percent_of_bf16_peak'), '.1f')}</td><td>{r.get('finished', 0)}/{r['seeds']}</td></tr>"
             )
         parts.append("</table>")
         figure = figures.get(setting)
