@@ -179,3 +179,13 @@ def test_round_flops_match_the_logistic_models_count_by_hand():
     for epochs in (1, 3):
         tree = build_config({**base, "local": {"epochs": epochs, "batch_size": 10, "momentum": 0.0}}).resolved_dict()
         assert count_round_flops(tree)["flops_per_round"] == 2400 * n * epochs + 1200 * 500
+
+
+def test_ray_runs_the_cells_as_tasks_on_a_local_instance(tmp_path):
+    """``--ray local``: the same cells as Ray tasks (one CPU each), the same numbers as in this process."""
+    pytest.importorskip("ray")
+    suite = load_suite(str(_suite(tmp_path, methods={"FedAvg": TINY["methods"]["FedAvg"]}, seeds=[0])))
+    serial = bench(suite, tmp_path / "serial", overrides=["run.threads=1"])
+    on_ray = bench(suite, tmp_path / "ray", overrides=["run.threads=1"], ray_address="local")
+    assert [(r["setting"], r["final_accuracy"]) for r in on_ray] == [(r["setting"], r["final_accuracy"]) for r in serial]
+    assert (tmp_path / "ray" / "tiny-bench" / "lda" / "FedAvg" / "seed0" / "flops.json").is_file()

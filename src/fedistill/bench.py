@@ -277,16 +277,18 @@ def bench(
     only: list[int] | None = None,
     overrides: list[str] | None = None,
     console=None,
+    ray_address: str | None = None,
 ) -> list[dict[str, Any]]:
-    """Run the suite's cells (all, or those numbered in ``only``), ``jobs`` at a time, then write and return the
-    leaderboard of every finished cell."""
+    """Run the suite's cells (all, or those numbered in ``only``), ``jobs`` at a time (or as Ray tasks on the
+    cluster at ``ray_address``; ``local`` starts one on this machine), then write and return the leaderboard
+    of every finished cell."""
     from .runner import make_console
 
     console = console or make_console(wide=True)
     cores = os.cpu_count() or 1
     if jobs < 1:
         raise ConfigError(f"bench --jobs: {jobs}; give 1 or more")
-    if jobs > cores:
+    if jobs > cores and ray_address is None:
         raise ConfigError(f"bench --jobs: {jobs} cells at once on {cores} cores would oversubscribe them; use at most {cores}")
     overrides = list(overrides or [])
     if not any(o.split("=", 1)[0].strip() == "run.threads" for o in overrides):
@@ -323,7 +325,10 @@ def bench(
         )
 
     first_seed = suite.seeds[0]
-    if jobs == 1:
+    if ray_address is not None:
+        for i, (cell, seconds) in enumerate(_run_on_ray(todo, ray_address, int(threads), first_seed), 1):
+            finished(cell, seconds, i)
+    elif jobs == 1:
         for i, cell in enumerate(todo, 1):
             _, seconds = _run_cell(cell.config.resolved_dict(), str(cell.path), cell.seed == first_seed)
             finished(cell, seconds, i)
@@ -342,6 +347,37 @@ def bench(
     write_leaderboard(suite, rows, root, cells)
     console.print(f"leaderboard: {root / 'leaderboard.md'} (and .csv, .json, .html) after {_duration(time.perf_counter() - started)}")
     return rows
+
+
+def _run_on_ray(todo: list[Cell], address: str, threads: int, first_seed: int):
+    """Each cell a Ray task asking for ``threads`` CPUs; yields (cell, seconds) as they finish. The cells'
+    directories must be on a filesystem every node sees (the same path); plugins travel in the tasks'
+    environment ($FEDISTILL_PLUGINS)."""
+    try:
+        import ray
+    except ImportError:
+        raise ConfigError("bench --ray: Ray is not installed; install it with `pip install 'fedistill[ray]'` (or `pip install ray`)") from None
+    from .plugins import PLUGIN_ENV
+
+    env = {PLUGIN_ENV: os.environ.get(PLUGIN_ENV, "")}
+    started_here = not ray.is_initialized()
+    if started_here:
+        try:
+            local = {"include_dashboard": False} if address == "local" else {}  # the dashboard costs a core for a minute
+            ray.init(address=None if address == "local" else address, runtime_env={"env_vars": env}, log_to_driver=False, **local)
+        except (ConnectionError, RuntimeError, ValueError) as exc:
+            raise ConfigError(f"bench --ray {address}: cannot connect ({exc}); start the cluster with `ray start --head`, or use --ray local") from None
+    try:
+        task = ray.remote(num_cpus=threads)(_run_cell)
+        pending = {task.remote(c.config.resolved_dict(), str(c.path.resolve()), c.seed == first_seed): c for c in todo}
+        while pending:
+            done, _ = ray.wait(list(pending), num_returns=1)
+            cell = pending.pop(done[0])
+            _, seconds = ray.get(done[0])
+            yield cell, seconds
+    finally:
+        if started_here:
+            ray.shutdown()
 
 
 def _refuse_changed_cells(cells: list[Cell]) -> None:

@@ -205,7 +205,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.cells:
         list_cells(suite, Path(args.out), overrides)
         return 0
-    bench(suite, Path(args.out), jobs=args.jobs, only=None if args.cell is None else [args.cell], overrides=overrides)
+    bench(suite, Path(args.out), jobs=args.jobs, only=None if args.cell is None else [args.cell], overrides=overrides, ray_address=args.ray)
     return 0
 
 
@@ -351,6 +351,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--jobs", type=int, default=1, help="cells run at once, each with cores/jobs threads (default 1)")
     p.add_argument("--cells", action="store_true", help="list the cells with their numbers and states; run nothing")
     p.add_argument("--cell", type=int, help="run only cell N (a SLURM array task), then write the leaderboard of what finished")
+    p.add_argument("--ray", metavar="ADDRESS", help="run the cells as Ray tasks on the cluster at ADDRESS (`local`: start Ray here); --out must be shared")
     p.add_argument("--data-dir", help="directory of the official dataset files [dataset.data_dir]")
     p.add_argument("--download", action="store_true", help="download missing official dataset files")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="override a key in every cell")
