@@ -91,7 +91,7 @@ def test_claims_parse_and_bad_claims_say_how_to_write_them():
         ("A ~ B", {}, "needs a positive margin"),
         ("A ~ B", {"margin": -1.0}, "needs a positive margin"),
         ("A > B", {"margin": 1.0}, "margin applies to '~' only"),
-        ("A > B", {"metric": "accuracy"}, "metric 'accuracy' is not one of final, best, mb, seconds"),
+        ("A > B", {"metric": "accuracy"}, "metric 'accuracy' is not one of final, best, last5, mb, seconds"),
         ("A > B > A", {}, "appears twice"),
     ]:
         with pytest.raises(ConfigError, match=message):
@@ -179,3 +179,16 @@ def test_a_claim_naming_an_unknown_method_or_column_is_refused_at_load(tmp_path)
     path.write_text(yaml.safe_dump({**base, "claims": [{"claim": "FedAvg > B", "columns": ["cifar"]}]}))
     with pytest.raises(ConfigError, match="names columns cifar"):
         load_preset(str(path))
+
+
+def test_run_values_of_each_metric():
+    from fedistill.report.claims import run_value
+    from fedistill.reproduce import RunResult
+
+    run = RunResult("c", "A", 0, [(r, float(a)) for r, a in enumerate([10, 50, 40, 60, 70, 20, 30], 1)], 2.5,
+                    bytes_per_round=3_000_000.0)  # fmt: skip
+    assert run_value(run, "final") == 30.0 and run_value(run, "best") == 70.0
+    assert run_value(run, "last5") == pytest.approx((40 + 60 + 70 + 20 + 30) / 5)  # rounds 3-7
+    assert run_value(run, "mb") == 3.0 and run_value(run, "seconds") == 2.5
+    run.diverged_after = 7
+    assert run_value(run, "final") is None and run_value(run, "last5") is None and run_value(run, "mb") == 3.0
