@@ -184,7 +184,8 @@ def test_round_flops_match_the_logistic_models_count_by_hand():
 def test_ray_runs_the_cells_as_tasks_on_a_local_instance(tmp_path):
     """``--ray local``: the same cells as Ray tasks (one CPU each), the same numbers as in this process."""
     pytest.importorskip("ray")
-    suite = load_suite(str(_suite(tmp_path, methods={"FedAvg": TINY["methods"]["FedAvg"]}, seeds=[0])))
+    one_cell = {"methods": {"FedAvg": TINY["methods"]["FedAvg"]}, "seeds": [0], "settings": {"lda": TINY["settings"]["lda"]}}
+    suite = load_suite(str(_suite(tmp_path, **one_cell)))
     serial = bench(suite, tmp_path / "serial", overrides=["run.threads=1"])
     on_ray = bench(suite, tmp_path / "ray", overrides=["run.threads=1"], ray_address="local")
     assert [(r["setting"], r["final_accuracy"]) for r in on_ray] == [(r["setting"], r["final_accuracy"]) for r in serial]

@@ -35,7 +35,7 @@ DISTRIBUTION = {"PIL": "pillow", "sklearn": "scikit-learn", "yaml": "pyyaml", "t
 # Submodules of a declared package that need another distribution.
 SUBMODULE_DISTRIBUTION = {"torch.utils.tensorboard": "tensorboard"}
 # Distributions needed by an optional feature only, and the extra that must declare each.
-OPTIONAL = {"flwr": "flower", "tomli-w": "flower", "tensorboard": "tensorboard"}
+OPTIONAL = {"flwr": "flower", "tomli-w": "flower", "tensorboard": "tensorboard", "ray": "ray"}
 
 
 def _normalise(name: str) -> str:

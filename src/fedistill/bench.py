@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import csv
 import json
-import math
 import os
 import statistics
 import time
@@ -486,54 +485,11 @@ def leaderboard_rows(suite: Suite, cells: list[Cell], peak_gflops: float | None 
     return rows
 
 
-def _pm(mean: float | None, std: float | None) -> str:
-    if mean is None:
-        return "-"
-    return f"{mean:.2f}" + (f" ± {std:.2f}" if std is not None else "")
-
-
-def _num(value: float | None, spec: str) -> str:
-    return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
-
-
-def leaderboard_markdown(suite: Suite, rows: list[dict[str, Any]]) -> str:
-    lines = [f"# {suite.title}", ""]
-    if suite.description:
-        lines += [suite.description.strip(), ""]
-    peak = next((r.get("bf16_peak_gflops_per_s") for r in rows if r.get("bf16_peak_gflops_per_s")), None)
-    lines += [
-        f"Seeds {suite.seeds}; ranked by final accuracy (mean ± std over the seeds that finished). GFLOP/round: one "
-        "round's operations counted by torch.utils.flop_counter (first seed); % of bf16 peak: GFLOP/round over s/round "
-        "against this machine's bf16 matmul rate on all cores"
-        + (f" ({peak:.0f} GFLOP/s, measured by this bench)." if peak else "."),
-        "",
-    ]  # fmt: skip
-    lines += [f"- {note}" for note in suite.notes] + ([""] if suite.notes else [])
-    target = f"rounds to {suite.target_accuracy:g} %" if suite.target_accuracy is not None else "rounds to target"
-    for setting, spec in suite.settings.items():
-        lines += [
-            f"## {spec.label}", "",
-            f"| rank | method | final acc % | best acc % | metric | {target} | MB/round | s/round | GFLOP/round | % of bf16 peak | seeds |",
-            "|---|---|---|---|---|---|---|---|---|---|---|",
-        ]  # fmt: skip
-        for r in (r for r in rows if r["setting"] == setting):
-            if r["status"] == "n/a":
-                lines.append(f"| - | {r['method']} | n/a: {r['why'].replace('|', '/')} | | | | | | | | |")
-                continue
-            reach = "-" if r["reached_target"] is None else (f"{r['rounds_to_target']:.1f} ({r['reached_target']})" if r["rounds_to_target"] is not None else f"n/r ({r['reached_target']})")
-            seeds = f"{r['finished']}/{r['seeds']}" + (f", {r['diverged']} diverged" if r["diverged"] else "")
-            lines.append(
-                f"| {r.get('rank', '-')} | {r['method']} | {_pm(r['final_accuracy'], r['final_accuracy_std'])} | "
-                f"{_pm(r['best_accuracy'], r['best_accuracy_std'])} | {r['metric']} | {reach} | {_num(r['mb_per_round'], '.3f')} | "
-                f"{_num(r['seconds_per_round'], '.2f')} | {_num(r['gflops_per_round'], '.2f')} | {_num(r['percent_of_bf16_peak'], '.1f')} | {seeds} |"
-            )
-        lines.append("")
-    return "\n".join(lines)
-
-
 def write_leaderboard(suite: Suite, rows: list[dict[str, Any]], root: Path, cells: list[Cell] | None = None) -> None:
     """leaderboard.md, .csv, .json and, given the cells (for the curves), one figure per setting and the
     self-contained leaderboard.html (report/leaderboard.py)."""
+    from .report.leaderboard import leaderboard_markdown
+
     root.mkdir(parents=True, exist_ok=True)
     if cells is not None:
         from .report.leaderboard import plot_setting, write_html
