@@ -30,9 +30,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import Field
 
 from .errors import ConfigError
+from .reproduce import ColumnSpec, StrictModel, read_model_file
 
 __all__ = ["Suite", "Cell", "load_suite", "available_suites", "suite_cells", "bench", "leaderboard_rows", "write_leaderboard"]
 
@@ -40,21 +41,15 @@ SUITE_DIR = "configs/bench"
 NOT_APPLICABLE = "not_applicable.txt"  # in a cell's directory: why the method cannot run this setting
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+SettingSpec = ColumnSpec  # a setting is a reproduce column: a label and a config fragment
 
 
-class SettingSpec(_Strict):
-    label: str
-    config: dict[str, Any] = Field(default_factory=dict)
-
-
-class BenchMethod(_Strict):
+class BenchMethod(StrictModel):
     config: dict[str, Any] = Field(default_factory=dict)
     per_setting: dict[str, dict[str, Any]] = Field(default_factory=dict)
 
 
-class Suite(_Strict):
+class Suite(StrictModel):
     name: str
     title: str
     description: str = ""
@@ -114,15 +109,7 @@ def load_suite(name_or_path: str) -> Suite:
         if path is None:
             names = ", ".join(n for n, _ in available_suites()) or "none found"
             raise ConfigError(f"bench: no suite {name_or_path!r}; choose one of: {names} (or give a path to a suite YAML file)")
-    from .config import parse_yaml_text
-    from .report.rundir import _read_text
-
-    data = parse_yaml_text(path, _read_text(path), what=f"bench: suite {path}")
-    try:
-        suite = Suite.model_validate(data)
-    except ValidationError as err:
-        first = err.errors()[0]
-        raise ConfigError(f"bench: suite {path}: {'.'.join(map(str, first['loc']))}: {first['msg']}") from None
+    suite = read_model_file(path, Suite, f"bench: suite {path}")
     if not suite.settings:
         raise ConfigError(f"bench: suite {path}: settings is empty; name at least one setting")
     if not suite.seeds or len(set(suite.seeds)) != len(suite.seeds) or min(suite.seeds) < 0:

@@ -167,6 +167,16 @@ def cmd_compare(args: argparse.Namespace) -> int:
     return 0
 
 
+def _data_overrides(args: argparse.Namespace) -> list[str]:
+    """--set values, then --data-dir and --download as the keys they stand for (reproduce, bench)."""
+    overrides = list(args.overrides)
+    if args.data_dir:
+        overrides.append(f"dataset.data_dir={args.data_dir}")
+    if args.download:
+        overrides.append("dataset.download=true")
+    return overrides
+
+
 def cmd_reproduce(args: argparse.Namespace) -> int:
     from .reproduce import available_presets, load_preset, reproduce
 
@@ -176,11 +186,7 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
     if args.rounds is not None and args.rounds < 1:
         raise ConfigError(f"--rounds must be >= 1 (got {args.rounds})")
     preset = load_preset(args.preset)
-    overrides = list(args.overrides)
-    if args.data_dir:
-        overrides.append(f"dataset.data_dir={args.data_dir}")
-    if args.download:
-        overrides.append("dataset.download=true")
+    overrides = _data_overrides(args)
     # None when the flag is absent; an empty list (refused by reproduce) when it is given empty.
     split = lambda text: [t.strip() for t in text.split(",") if t.strip()] if text is not None else None  # noqa: E731
     reproduce(
@@ -197,11 +203,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print("suites: " + (", ".join(n for n, _ in available_suites()) or "none found"))
         return 0
     suite = load_suite(args.suite)
-    overrides = list(args.overrides)
-    if args.data_dir:
-        overrides.append(f"dataset.data_dir={args.data_dir}")
-    if args.download:
-        overrides.append("dataset.download=true")
+    overrides = _data_overrides(args)
     if args.cells:
         list_cells(suite, Path(args.out), overrides)
         return 0

@@ -35,27 +35,29 @@ from .errors import ConfigError
 PRESET_DIR = "configs/reproduce"
 
 
-class _Strict(BaseModel):
+class StrictModel(BaseModel):
+    """A preset's (or a bench suite's) section: unknown keys are errors, not ignored typos."""
+
     model_config = ConfigDict(extra="forbid")
 
 
-class ColumnSpec(_Strict):
+class ColumnSpec(StrictModel):
     label: str
     config: dict[str, Any] = Field(default_factory=dict)
 
 
-class MethodSpec(_Strict):
+class MethodSpec(StrictModel):
     config: dict[str, Any] = Field(default_factory=dict)
     per_column: dict[str, dict[str, Any]] = Field(default_factory=dict)
 
 
-class Published(_Strict):
+class Published(StrictModel):
     accuracy: float | None = None
     speedup: float | None = None
     note: str | None = None  # "Failed", "not in the paper", ...
 
 
-class ClaimSpec(_Strict):
+class ClaimSpec(StrictModel):
     """A claim to test over seeds (report/claims.py): ``claim: "FedICT > FedDKC > FedGKT"``."""
 
     claim: str
@@ -66,7 +68,7 @@ class ClaimSpec(_Strict):
     note: str | None = None
 
 
-class Preset(_Strict):
+class Preset(StrictModel):
     name: str
     title: str
     source: str
@@ -128,6 +130,20 @@ def available_presets() -> list[str]:
     return sorted(names)
 
 
+def read_model_file(path: Path, model: type[BaseModel], what: str):
+    """A YAML file validated as ``model``; one line for a binary file, a YAML error (with its line and column)
+    or the first invalid key, as for --config."""
+    from .config import parse_yaml_text
+    from .report.rundir import _read_text
+
+    data = parse_yaml_text(path, _read_text(path), what=what)
+    try:
+        return model.model_validate(data)
+    except ValidationError as err:
+        first = err.errors()[0]
+        raise ConfigError(f"{what}: {'.'.join(map(str, first['loc']))}: {first['msg']}") from None
+
+
 def load_preset(name_or_path: str) -> Preset:
     path = Path(name_or_path)
     if not path.is_file():
@@ -141,16 +157,7 @@ def load_preset(name_or_path: str) -> Preset:
                 f"reproduce: no preset {name_or_path!r}; choose one of: {', '.join(available_presets()) or 'none found'} "
                 f"(or give a path to a preset YAML file)"
             )
-    from .config import parse_yaml_text
-    from .report.rundir import _read_text
-
-    # One line for a binary file or a YAML error (with its line and column), as for --config.
-    data = parse_yaml_text(path, _read_text(path), what=f"reproduce: preset {path}")
-    try:
-        preset = Preset.model_validate(data)
-    except ValidationError as err:
-        first = err.errors()[0]
-        raise ConfigError(f"reproduce: preset {path}: {'.'.join(map(str, first['loc']))}: {first['msg']}") from None
+    preset = read_model_file(path, Preset, f"reproduce: preset {path}")
     for method, spec in preset.methods.items():
         unknown = set(spec.per_column) - set(preset.columns)
         if unknown:
