@@ -124,6 +124,19 @@ def test_every_registered_method_runs_one_round_with_only_its_name(name, tmp_pat
     assert ("pfedme sets local.momentum=0.0" in header) == (name == "pfedme")
 
 
+def test_a_method_that_cannot_run_a_dataset_says_why_in_list_and_in_one_line(tmp_path, capsys):
+    from fedistill.cli import main
+
+    assert main(["list"]) == 0
+    listed = " ".join(capsys.readouterr().out.split())
+    assert listed.count("Cannot run synthetic: its generator") == 3  # dafkd, feddf, fedftg; no other method
+    args = ["run", "--algorithm", "dafkd", "--rounds", "1", "--set", "dataset.name=synthetic", "--set", "partition.scheme=natural",
+            "--set", "partition.num_clients=6", "--out", str(tmp_path)]  # fmt: skip
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: generator 'dcgan' makes square images") and err.count("\n") == 1
+
+
 def test_a_methods_defaults_never_override_what_the_user_set(tmp_path):
     assert build_config({"algorithm": "pfedme"})._method_settings == {"local.momentum": 0.0}  # said in the header
     assert build_config({"algorithm": "pfedme", "local": {"momentum": 0.0}})._method_settings == {}

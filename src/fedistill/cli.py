@@ -230,7 +230,9 @@ def cmd_list(args: argparse.Namespace) -> int:
     for title, reg in registries:
         table = Table(title=title, show_header=False, title_justify="left")
         for name in reg.names():
-            table.add_row(name, reg.describe(name))
+            limits = getattr(reg.get(name), "cannot_run", {}) if reg is ALGORITHMS else {}
+            cannot = "".join(f" Cannot run {dataset}: {why}." for dataset, why in limits.items())
+            table.add_row(name, reg.describe(name) + cannot)
         console.print(table)
     # The configurations and presets that ship with the package (fedistill/configs), with the paper each
     # preset reproduces: both are found from any directory.

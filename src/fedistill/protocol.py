@@ -176,6 +176,10 @@ class Algorithm:
     # weights, its group's model) and its own state (MTFL's private BatchNorm patch, DemLearn's own weights);
     # the engine then asks the client to evaluate it (an evaluation exchange, not counted as communication).
     personal_model: ClassVar[str] = "global"
+    # Datasets the method cannot run, with the reason (shown by `fedistill list`): e.g. a method whose
+    # generator makes images cannot run the synthetic dataset's feature vectors.
+    cannot_run: ClassVar[dict[str, str]] = {}
+
     @classmethod
     def config_defaults(cls, tree: dict[str, Any]) -> dict[str, Any]:
         """Settings this method needs where the run's defaults do not suit it, as a config tree (``{"local":

@@ -231,6 +231,8 @@ class DaFKD(FedAvg):
 
     name = "dafkd"
     Params = DaFKDParams
+    # its generator makes square images; the synthetic dataset's 60-dim feature vectors have no such shape
+    cannot_run = {"synthetic": "its generator makes images, and synthetic has feature vectors"}
 
     def __init__(self, params: DaFKDParams, local: Any) -> None:
         super().__init__(params, local)

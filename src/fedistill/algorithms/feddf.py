@@ -111,6 +111,8 @@ class FedDF(FedAvg):
 
     name = "feddf"
     Params = FedDFParams
+    # its generator (or proxy images, in proxy mode) are square images; synthetic has 60-dim feature vectors
+    cannot_run = {"synthetic": "its generator (or its proxy dataset) makes images, and synthetic has feature vectors"}
 
     def __init__(self, params: FedDFParams, local: Any) -> None:
         super().__init__(params, local)

@@ -185,6 +185,8 @@ class FedFTG(FedAvg):
 
     name = "fedftg"
     Params = FedFTGParams
+    # its generator makes square images; the synthetic dataset's 60-dim feature vectors have no such shape
+    cannot_run = {"synthetic": "its generator makes images, and synthetic has feature vectors"}
 
     def __init__(self, params: FedFTGParams, local: Any) -> None:
         super().__init__(params, local)
