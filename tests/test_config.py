@@ -124,9 +124,10 @@ def test_every_registered_method_runs_one_round_with_only_its_name(name, tmp_pat
     assert ("pfedme sets local.momentum=0.0" in header) == (name == "pfedme")
 
 
-def test_a_method_that_cannot_run_a_dataset_says_why_in_list_and_in_one_line(tmp_path, capsys):
+def test_a_method_that_cannot_run_a_dataset_says_why_in_list_and_in_one_line(tmp_path, capsys, monkeypatch):
     from fedistill.cli import main
 
+    monkeypatch.setenv("COLUMNS", "400")  # one line per row, so the sentence is not folded inside its cell
     assert main(["list"]) == 0
     listed = " ".join(capsys.readouterr().out.split())
     assert listed.count("Cannot run synthetic: its generator") == 3  # dafkd, feddf, fedftg; no other method
