@@ -153,14 +153,6 @@ def test_shipped_suites_validate_every_cell():
         assert fedict.config.model.name == "fd_resnet8" and fedict.config.model.server == "fd_server_resnet56"
 
 
-def test_seed_bands_average_the_rounds_every_seed_has():
-    from fedistill.report.leaderboard import mean_band
-
-    band = mean_band([[(1, 10.0), (2, 20.0), (3, 30.0)], [(1, 14.0), (2, 24.0)]])
-    assert band == [(1, 12.0, pytest.approx(2.8284271)), (2, 22.0, pytest.approx(2.8284271))]  # std of (10, 14): 2*sqrt(2)
-    assert mean_band([[(1, 5.0)]]) == [(1, 5.0, 0.0)] and mean_band([]) == []
-
-
 def test_round_flops_match_the_logistic_models_count_by_hand():
     """One round of FedAvg with logistic regression (60 -> 10, no hidden layer) on 10 synthetic clients: each
     training sample costs a forward matmul (2 * 60 * 10) and the weight gradient's (2 * 60 * 10; the input needs

@@ -119,7 +119,7 @@ def test_evaluate_claims_pairs_by_seed_and_leaves_out_what_has_no_value():
     assert ab.verdict == HOLDS and ab.left_out == ["seed 2: B diverged after round 4"]
     # B - C on the same three seeds: d = (8, 8, 7): holds
     assert bc.interval.n == 3 and bc.verdict == HOLDS and chain["verdict"] == HOLDS
-    assert chain["means"]["A"][0] == pytest.approx(81.75) and chain["means"]["B"][0] == pytest.approx(79.0)
+    assert chain["means"]["A"]["mean"] == pytest.approx(81.75) and chain["means"]["B"]["mean"] == pytest.approx(79.0)
     assert absent["verdict"] == "not run" and "D" in absent["why"]
 
 

@@ -33,7 +33,8 @@ from typing import Any
 from pydantic import Field
 
 from .errors import ConfigError
-from .reproduce import ColumnSpec, StrictModel, read_model_file
+from .report.groups import stat
+from .reproduce import ColumnSpec, StrictModel, method_dir_name, read_model_file
 
 __all__ = ["Suite", "Cell", "load_suite", "available_suites", "suite_cells", "bench", "leaderboard_rows", "write_leaderboard"]
 
@@ -132,6 +133,14 @@ class Cell:
     path: Path
     config: Any = None  # fedistill.config.Config
     why_not: str | None = None  # the refusal of a method that cannot run this setting
+    _finished: Any = None  # its RunResult once finished (read by result())
+
+    def result(self):
+        """The finished cell's numbers (reproduce's RunResult), or None while it is not finished; a finished
+        cell's files are read once (the progress line, the leaderboard and the figures all ask)."""
+        if self._finished is None:
+            self._finished = _cell_result(self)
+        return self._finished
 
     def state(self) -> str:
         """n/a, done, partial (resumable) or todo."""
@@ -151,10 +160,6 @@ class Cell:
         return "partial" if (self.path / "config.yaml").is_file() else "todo"
 
 
-def _dir_name(text: str) -> str:
-    return text.replace("/", "_").replace(" ", "_")
-
-
 def suite_cells(suite: Suite, root: Path, overrides: list[str] | None = None) -> list[Cell]:
     """Every cell of the suite in a fixed order (setting, method, seed), each validated before any runs."""
     from .reproduce import _merge
@@ -166,7 +171,7 @@ def suite_cells(suite: Suite, root: Path, overrides: list[str] | None = None) ->
             tree = _merge(_merge(_merge(suite.protocol, setting_spec.config), spec.config), spec.per_setting.get(setting, {}))
             tree = _merge(tree, suite.card_settings(tree))
             for seed in suite.seeds:
-                path = root / setting / _dir_name(method) / f"seed{seed}"
+                path = root / setting / method_dir_name(method) / f"seed{seed}"
                 cell = Cell(len(cells), setting, method, seed, path)
                 try:
                     cell.config = build_config({**tree, "seed": seed}, overrides or [])
@@ -389,7 +394,7 @@ def _duration(seconds: float) -> str:
 def _final_text(cell: Cell) -> str:
     if cell.state() == "n/a":
         return f"n/a ({cell.why_not})"
-    result = _cell_result(cell)
+    result = cell.result()
     if result is None or result.final is None:
         return "no result"
     return f"diverged after round {result.diverged_after}" if result.diverged_after else f"final {result.final:.2f} %"
@@ -405,12 +410,6 @@ def _cell_result(cell: Cell):
     if summary.get("status") not in ("finished", "diverged"):
         return None
     return run_result(cell.config, cell.setting, cell.method, cell.seed, rows[: cell.config.rounds], summary.get("status") == "diverged")
-
-
-def _stat(values: list[float]) -> tuple[float | None, float | None]:
-    if not values:
-        return None, None
-    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else None)
 
 
 def _flops(cells: list[Cell]) -> float | None:
@@ -437,10 +436,9 @@ def leaderboard_rows(suite: Suite, cells: list[Cell], peak_gflops: float | None 
             if any(c.state() == "n/a" for c in mine):
                 part.append({**row, "status": "n/a", "why": next(c.why_not for c in mine if c.why_not)})
                 continue
-            results = [r for r in (_cell_result(c) for c in mine) if r is not None]
+            results = [r for r in (c.result() for c in mine) if r is not None]
             ok = [r for r in results if r.diverged_after is None]
-            final_mean, final_std = _stat([r.final for r in ok if r.final is not None])
-            best_mean, best_std = _stat([r.best for r in ok if r.best is not None])
+            final, best = stat(r.final for r in ok), stat(r.best for r in ok)
             reach = []
             if suite.target_accuracy is not None:
                 reach = [r.first_round_reaching(suite.target_accuracy) for r in ok]
@@ -449,10 +447,10 @@ def leaderboard_rows(suite: Suite, cells: list[Cell], peak_gflops: float | None 
                 metric=mine[0].config.accuracy_metric(),
                 status="done" if len(results) == len(mine) else f"{len(results)}/{len(mine)} seeds",
                 finished=len(results), diverged=sum(r.diverged_after is not None for r in results),
-                final_accuracy=final_mean, final_accuracy_std=final_std, best_accuracy=best_mean, best_accuracy_std=best_std,
+                final_accuracy=final["mean"], final_accuracy_std=final["std"], best_accuracy=best["mean"], best_accuracy_std=best["std"],
                 rounds_to_target=statistics.fmean(reached) if reached else None, reached_target=f"{len(reached)}/{len(reach)}" if reach else None,
-                mb_per_round=_stat([r.bytes_per_round / 1e6 for r in results if r.bytes_per_round is not None])[0],
-                seconds_per_round=_stat([r.seconds_per_round for r in results if r.seconds_per_round])[0],
+                mb_per_round=stat(r.bytes_per_round / 1e6 for r in results if r.bytes_per_round is not None)["mean"],
+                seconds_per_round=stat(r.seconds_per_round for r in results if r.seconds_per_round)["mean"],
                 why=None,
             )  # fmt: skip
             flops = _flops(mine)
@@ -485,11 +483,11 @@ def write_leaderboard(suite: Suite, rows: list[dict[str, Any]], root: Path, cell
         for setting, spec in suite.settings.items():
             curves: dict[str, list[list[tuple[int, float]]]] = {}
             for cell in (c for c in cells if c.setting == setting):
-                result = _cell_result(cell)
+                result = cell.result()
                 if result is not None and result.diverged_after is None and result.accuracies:
                     curves.setdefault(cell.method, []).append(result.accuracies)
             part = [r for r in rows if r["setting"] == setting]
-            figures[setting] = plot_setting(spec.label, part, curves, root / f"leaderboard_{_dir_name(setting)}.png")
+            figures[setting] = plot_setting(spec.label, part, curves, root / f"leaderboard_{method_dir_name(setting)}.png")
         labels = {setting: spec.label for setting, spec in suite.settings.items()}
         write_html(suite.title, suite.description, suite.notes, labels, rows, figures, suite.target_accuracy, root / "leaderboard.html")
     (root / "leaderboard.md").write_text(leaderboard_markdown(suite, rows))

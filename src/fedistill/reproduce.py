@@ -233,6 +233,11 @@ class RunResult:
         return next((r for r, a in self.accuracies if a >= level), None)
 
 
+def method_dir_name(name: str) -> str:
+    """A method's (or setting's) directory name: its display name without slashes or spaces."""
+    return name.replace("/", "_").replace(" ", "_")
+
+
 def run_result(cfg, column: str, method: str, seed: int, rows: list[dict[str, Any]], diverged: bool) -> RunResult:
     """A run's metric rows (at most ``cfg.rounds``) as the numbers the tables use."""
     key = "personal_accuracy" if cfg.accuracy_metric() == "personal" else "test_accuracy"
@@ -356,7 +361,7 @@ def reproduce(
         raise ConfigError(f"reproduce --out {out_dir}: cannot create {root} ({exc.strerror or exc}); choose another --out") from None
     results: dict[tuple[str, str, int], RunResult] = {}
     for (column, method, seed), cfg in configs.items():
-        run_path = root / column / method.replace("/", "_").replace(" ", "_") / f"seed{seed}"
+        run_path = root / column / method_dir_name(method) / f"seed{seed}"
         console.print(f"[bold]{preset.name}[/]: {preset.columns[column].label} / {method} / seed {seed} -> {run_path}")
         rows, diverged = ensure_run(cfg, run_path, console)
         results[(column, method, seed)] = run_result(cfg, column, method, seed, rows, diverged)

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
+from .groups import format_stat, stat
 
 __all__ = [
     "METRICS", "HOLDS", "DOES_NOT_HOLD", "INCONCLUSIVE", "Claim", "parse_claim", "t_quantile_975",
@@ -190,13 +191,6 @@ class LinkResult:
     left_out: list[str] = field(default_factory=list)  # "seed 2: FedX diverged", ...
 
 
-def _mean_std(values: Iterable[float]) -> tuple[float | None, float | None]:
-    values = list(values)
-    if not values:
-        return None, None
-    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else None)
-
-
 def evaluate_claims(
     claims: Sequence[Claim],
     columns: Sequence[str],
@@ -228,7 +222,7 @@ def evaluate_claims(
                              "why": f"not run in this invocation: {', '.join(missing)} on {column}"})  # fmt: skip
                 continue
             values = {m: {s: value(column, m, s, claim.metric) for s in seeds} for m in claim.methods}
-            means = {m: _mean_std(v for v in values[m].values() if v is not None) for m in claim.methods}
+            means = {m: stat(values[m].values()) for m in claim.methods}
             links = []
             for a, relation, b in claim.links:
                 paired = [s for s in seeds if values[a][s] is not None and values[b][s] is not None]
@@ -245,19 +239,12 @@ def evaluate_claims(
     return rows
 
 
-def _stat(mean_std: tuple[float | None, float | None]) -> str:
-    mean, std = mean_std
-    if mean is None:
-        return "-"
-    return f"{mean:.2f}" + (f" ± {std:.2f}" if std is not None else "")
-
-
 def claim_cells(row: dict[str, Any]) -> dict[str, str]:
     """The printed cells of one row: the methods' mean ± std, each link's paired difference and interval,
     the paired seeds and the verdict (a chain's links joined by ';')."""
     if row["verdict"] == "not run":
         return {"values": "-", "difference": "-", "seeds": "-", "verdict": f"not run ({row['why']})"}
-    values = ", ".join(f"{m} {_stat(ms)}" for m, ms in row["means"].items())
+    values = ", ".join(f"{m} {format_stat(ms)}" for m, ms in row["means"].items())
     diffs = "; ".join(
         f"{link.a} - {link.b}: {link.interval.fmt()}" + (f" ({link.verdict})" if len(row["links"]) > 1 else "")
         for link in row["links"]
@@ -287,7 +274,7 @@ def claims_records(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     out = []
     for row in rows:
         record = {k: v for k, v in row.items() if k not in ("links", "means")}
-        record["means"] = {m: {"mean": ms[0], "std": ms[1]} for m, ms in row["means"].items()}
+        record["means"] = {m: {"mean": ms["mean"], "std": ms["std"]} for m, ms in row["means"].items()}
         record["links"] = [
             {
                 "a": link.a, "relation": link.relation, "b": link.b,

@@ -11,24 +11,12 @@ from __future__ import annotations
 import base64
 import html
 import math
-import statistics
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["leaderboard_markdown", "mean_band", "plot_setting", "write_html"]
+from .groups import format_stat, mean_curve
 
-
-def mean_band(curves: Sequence[Sequence[tuple[int, float]]]) -> list[tuple[int, float, float]]:
-    """(round, mean, std) over the rounds every curve has (std 0 for a single curve)."""
-    if not curves:
-        return []
-    common = set.intersection(*(set(r for r, _ in c) for c in curves))
-    out = []
-    for rnd in sorted(common):
-        values = [dict(c)[rnd] for c in curves]
-        out.append((rnd, statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0))
-    return out
+__all__ = ["leaderboard_markdown", "plot_setting", "write_html"]
 
 
 def plot_setting(label: str, rows: list[dict[str, Any]], curves: dict[str, list[list[tuple[int, float]]]], path: Path) -> Path:
@@ -43,12 +31,10 @@ def plot_setting(label: str, rows: list[dict[str, Any]], curves: dict[str, list[
     ranked = [r for r in rows if r.get("final_accuracy") is not None]
     for i, row in enumerate(ranked):
         colour = colours(i % 20)
-        band = mean_band(curves.get(row["method"], []))
-        if band:
-            rounds = [b[0] for b in band]
-            mean = [b[1] for b in band]
+        rounds, mean, std = mean_curve(curves.get(row["method"], []))
+        if rounds:
             axes[0].plot(rounds, mean, color=colour, label=row["method"], linestyle="-" if i < 10 else "--", linewidth=1.3)
-            axes[0].fill_between(rounds, [m - b[2] for m, b in zip(mean, band)], [m + b[2] for m, b in zip(mean, band)], color=colour, alpha=0.12)
+            axes[0].fill_between(rounds, [m - d for m, d in zip(mean, std)], [m + d for m, d in zip(mean, std)], color=colour, alpha=0.12)
         for axis, key in ((axes[1], "mb_per_round"), (axes[2], "seconds_per_round")):
             if row.get(key):
                 axis.errorbar(row[key], row["final_accuracy"], yerr=row.get("final_accuracy_std") or 0, fmt="o", color=colour, capsize=2)
@@ -98,8 +84,8 @@ def write_html(title: str, description: str, notes: list[str], settings: dict[st
             if r["status"] == "n/a":
                 parts.append(f"<tr class='na'><td>-</td><td class='m'>{html.escape(r['method'])}</td><td colspan='9' class='m'>n/a: {html.escape(r['why'])}</td></tr>")
                 continue
-            final = _cell(r["final_accuracy"]) + (f" ± {r['final_accuracy_std']:.2f}" if r.get("final_accuracy_std") is not None else "")
-            best = _cell(r["best_accuracy"]) + (f" ± {r['best_accuracy_std']:.2f}" if r.get("best_accuracy_std") is not None else "")
+            final = format_stat({"mean": r["final_accuracy"], "std": r["final_accuracy_std"]})
+            best = format_stat({"mean": r["best_accuracy"], "std": r["best_accuracy_std"]})
             reach = "-" if r.get("reached_target") is None else (f"{r['rounds_to_target']:.1f} ({r['reached_target']})" if r.get("rounds_to_target") is not None else f"n/r ({r['reached_target']})")
             parts.append(
                 f"<tr><td>{r.get('rank', '-')}</td><td class='m'>{html.escape(r['method'])}</td><td>{final}</td><td>{best}</td>"
@@ -115,12 +101,6 @@ def write_html(title: str, description: str, notes: list[str], settings: dict[st
     parts.append("</body></html>")
     path.write_text("\n".join(parts), encoding="utf-8")
     return path
-
-
-def _pm(mean: float | None, std: float | None) -> str:
-    if mean is None:
-        return "-"
-    return f"{mean:.2f}" + (f" ± {std:.2f}" if std is not None else "")
 
 
 def _num(value: float | None, spec: str) -> str:
@@ -155,8 +135,8 @@ def leaderboard_markdown(suite, rows: list[dict[str, Any]]) -> str:
             reach = "-" if r["reached_target"] is None else (f"{r['rounds_to_target']:.1f} ({r['reached_target']})" if r["rounds_to_target"] is not None else f"n/r ({r['reached_target']})")
             seeds = f"{r['finished']}/{r['seeds']}" + (f", {r['diverged']} diverged" if r["diverged"] else "")
             lines.append(
-                f"| {r.get('rank', '-')} | {r['method']} | {_pm(r['final_accuracy'], r['final_accuracy_std'])} | "
-                f"{_pm(r['best_accuracy'], r['best_accuracy_std'])} | {r['metric']} | {reach} | {_num(r['mb_per_round'], '.3f')} | "
+                f"| {r.get('rank', '-')} | {r['method']} | {format_stat({'mean': r['final_accuracy'], 'std': r['final_accuracy_std']})} | "
+                f"{format_stat({'mean': r['best_accuracy'], 'std': r['best_accuracy_std']})} | {r['metric']} | {reach} | {_num(r['mb_per_round'], '.3f')} | "
                 f"{_num(r['seconds_per_round'], '.2f')} | {_num(r['gflops_per_round'], '.2f')} | {_num(r['percent_of_bf16_peak'], '.1f')} | {seeds} |"
             )
         lines.append("")
