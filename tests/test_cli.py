@@ -99,6 +99,8 @@ def test_list_names_every_registry(capsys):
         (["--set", "dataset.augment=[rotate]"], "dataset.augment"),
         (["--model", "vgg"], "model.name"),
         (["--set", "partition.min_size=1000"], "partition"),
+        (["--set", "dataset.train_samples=100000"], "dataset.train_samples: 100000 is more than the"),
+        (["--set", "dataset.train_samples=0"], "dataset.train_samples"),
     ],
 )
 def test_bad_input_gives_a_one_line_error_and_exit_code_2(tmp_path, capsys, args, expected):

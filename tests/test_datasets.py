@@ -657,3 +657,45 @@ def test_expected_files():
     assert expected_files("digits") == []
     with pytest.raises(ConfigError):
         expected_files("nope")
+
+
+# --- dataset.train_samples: a reduced protocol's fixed training subset ------------------------------------
+
+
+def test_train_subset_is_a_fixed_ordered_subset_and_leaves_the_test_split(digits):
+    from fedistill.data.dataset import train_subset
+
+    small = train_subset(digits, 300)
+    again = train_subset(digits, 300)
+    assert small.train_x.shape == (300, *digits.train_x.shape[1:]) and small.train_y.shape == (300,)
+    assert torch.equal(small.train_x, again.train_x) and torch.equal(small.train_y, again.train_y)
+    assert small.test_x is digits.test_x and small.test_y is digits.test_y
+    # Every kept image is one of the original ones, with its own label, in the original order.
+    flat = digits.train_x.reshape(len(digits.train_y), -1)
+    rows = [int(torch.nonzero((flat == img.reshape(1, -1)).all(1))[0]) for img in small.train_x]
+    assert rows == sorted(rows) and len(set(rows)) == 300
+    assert torch.equal(digits.train_y[rows], small.train_y)
+    # A random subset, not the first 300 (which would keep the files' order of classes).
+    assert rows != list(range(300))
+    # A larger subset is not required to contain a smaller one; the whole set is the dataset itself.
+    assert train_subset(digits, len(digits.train_y)) is digits and train_subset(digits, None) is digits
+    with pytest.raises(ValueError, match="1500 training samples of digits"):
+        train_subset(digits, 1501)
+
+
+def test_train_samples_reduces_what_the_clients_hold(tmp_path):
+    from fedistill.runner import load_dataset_for
+    from fedistill.simulation import Simulation
+    from tests.conftest import small_config
+
+    cfg = small_config(**{"dataset.train_samples": 500})
+    sim = Simulation(cfg, load_dataset_for(cfg))
+    sizes = sim.federation.client_sizes()
+    assert sizes.sum() == 500 and len(sizes) == 6
+
+
+def test_train_samples_is_refused_for_the_synthetic_federation():
+    from fedistill.config import build_config
+
+    with pytest.raises(Exception, match="dataset.train_samples: dataset synthetic generates"):
+        build_config({"dataset": {"name": "synthetic", "train_samples": 10}, "partition": {"scheme": "natural"}})

@@ -127,6 +127,12 @@ class DatasetConfig(_Section):
         None, ge=4, le=1024, description="resize every image to resize x resize, bilinear, once at load (DaFKD: 32)"
     )
     synthetic: SyntheticConfig | None = Field(None, description="options of the synthetic dataset (default: Synthetic(1, 1))")
+    train_samples: int | None = Field(
+        None,
+        ge=1,
+        description="train on a fixed random subset of this many training samples (seed 0, the same for every run "
+        "seed and method; the test set stays whole): for reduced protocols",
+    )
 
 
 class PartitionConfig(_Section):
@@ -308,6 +314,11 @@ class Config(_Section):
                 raise ValueError(f"dataset.resize: dataset {self.dataset.name} has feature vectors, not images")
             if self.dataset.augment:
                 raise ValueError(f"dataset.augment: dataset {self.dataset.name} has feature vectors, not images; use []")
+            if self.dataset.train_samples is not None:
+                raise ValueError(
+                    f"dataset.train_samples: dataset {self.dataset.name} generates each client's samples; "
+                    "set its size through dataset.synthetic instead"
+                )
         if self.eval.metric == "personal" and not p.per_client_test:
             raise ValueError(
                 "eval.metric: personal accuracy needs per-client test splits; set partition.per_client_test: true"

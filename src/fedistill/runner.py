@@ -58,8 +58,9 @@ def _bytes(n: int | None) -> str:
 
 
 def load_dataset_for(cfg: Config, data_dir: str | None = None, download: bool | None = None):
-    """The run's dataset: its files (from ``data_dir``, default ``dataset.data_dir``), variant and resize."""
-    from .data.dataset import resized
+    """The run's dataset: its files (from ``data_dir``, default ``dataset.data_dir``), variant, training
+    subset and resize."""
+    from .data.dataset import resized, train_subset
     from .data.sources import load_dataset
 
     options = cfg.dataset_options()  # the EMNIST split; the synthetic federation's clients, seed and options
@@ -70,6 +71,10 @@ def load_dataset_for(cfg: Config, data_dir: str | None = None, download: bool | 
         verify=cfg.dataset.verify,
         **options,
     )
+    try:
+        dataset = train_subset(dataset, cfg.dataset.train_samples)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
     return resized(dataset, cfg.dataset.resize)
 
 

@@ -51,6 +51,32 @@ class Dataset:
         return (self.channels, *self.image_size)
 
 
+SUBSET_SEED = 0  # the training subset is part of the protocol, not of a run's randomness
+
+
+def train_subset(dataset: Dataset, samples: int | None) -> Dataset:
+    """``dataset`` with a fixed random subset of ``samples`` training samples (the test split unchanged).
+
+    Reduced protocols (a claim's 3 seeds within a session's budget) shrink each client's data this way
+    instead of changing the partition. The subset is drawn once with :data:`SUBSET_SEED`, so every method
+    and every run seed trains on the same images, and kept in the original order (a partition seeded as
+    before sees the same kind of input). ``None`` returns the dataset unchanged.
+    """
+    if samples is None:
+        return dataset
+    available = int(dataset.train_x.shape[0])
+    if samples > available:
+        raise ValueError(
+            f"dataset.train_samples: {samples} is more than the {available} training samples of {dataset.name}; "
+            f"use at most {available} (or leave it out to train on all of them)"
+        )
+    if samples == available:
+        return dataset
+    generator = torch.Generator().manual_seed(SUBSET_SEED)
+    keep = torch.randperm(available, generator=generator)[:samples].sort().values
+    return replace(dataset, train_x=dataset.train_x[keep].contiguous(), train_y=dataset.train_y[keep].contiguous())
+
+
 def resized(dataset: Dataset, size: int | None, chunk: int = 8192) -> Dataset:
     """``dataset`` with every image bilinearly resized to ``size x size`` (uint8 again, rounded), or unchanged.
 
