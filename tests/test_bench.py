@@ -153,6 +153,18 @@ def test_shipped_suites_validate_every_cell():
         assert fedict.config.model.name == "fd_resnet8" and fedict.config.model.server == "fd_server_resnet56"
 
 
+def test_a_method_that_swaps_the_model_drops_the_protocols_model_options(tmp_path):
+    """A suite narrows its CNN with model.kwargs; FedGKT's card swaps in its split fd_resnet8, which has none of
+    those options: the cell runs fd_resnet8 on its own defaults instead of being n/a, and FedAvg keeps them."""
+    protocol = {**TINY["protocol"], "model": {"name": "digits_cnn", "kwargs": {"channels": [8, 16], "hidden": 32}}}
+    suite = load_suite(str(_suite(tmp_path, protocol=protocol, methods=None)))
+    cells = {c.method: c for c in suite_cells(suite, tmp_path / "out") if c.seed == 0 and c.setting == "iid"}
+    assert cells["fedgkt"].why_not is None and cells["fedgkt"].config.model.name == "fd_resnet8"
+    assert cells["fedgkt"].config.model.kwargs == {}
+    assert cells["fedavg"].config.model.name == "digits_cnn"
+    assert cells["fedavg"].config.model.kwargs == {"channels": [8, 16], "hidden": 32}
+
+
 def test_round_flops_match_the_logistic_models_count_by_hand():
     """One round of FedAvg with logistic regression (60 -> 10, no hidden layer) on 10 synthetic clients: each
     training sample costs a forward matmul (2 * 60 * 10) and the weight gradient's (2 * 60 * 10; the input needs

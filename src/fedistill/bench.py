@@ -169,7 +169,14 @@ def suite_cells(suite: Suite, root: Path, overrides: list[str] | None = None) ->
     for setting, setting_spec in suite.settings.items():
         for method, spec in suite.method_specs().items():
             tree = _merge(_merge(_merge(suite.protocol, setting_spec.config), spec.config), spec.per_setting.get(setting, {}))
-            tree = _merge(tree, suite.card_settings(tree))
+            card = suite.card_settings(tree)
+            protocol_model = tree.get("model") if isinstance(tree.get("model"), dict) else {}
+            card_model = card.get("model") if isinstance(card.get("model"), dict) else {}
+            if "name" in card_model and card_model["name"] != protocol_model.get("name") and "kwargs" not in card_model:
+                # The method swaps the protocol's model for its own (FedGKT's split fd_resnet8): the protocol's
+                # model.kwargs (e.g. a narrower cnn) were options of the model it no longer uses.
+                tree = {**tree, "model": {k: v for k, v in protocol_model.items() if k != "kwargs"}}
+            tree = _merge(tree, card)
             for seed in suite.seeds:
                 path = root / setting / method_dir_name(method) / f"seed{seed}"
                 cell = Cell(len(cells), setting, method, seed, path)
