@@ -427,9 +427,10 @@ def comparison_rows(preset, results, columns, methods, seeds, rounds) -> list[di
 
 
 def _acc(value: float | None, std: float | None = None) -> str:
-    if value is None:
-        return "-"
-    return f"{value:.2f}" + (f" ± {std:.2f}" if std is not None else "")
+    """``91.23 ± 0.41`` (report.groups' format, one seed: the mean alone, no mean: ``-``)."""
+    from .report.groups import format_stat
+
+    return format_stat({"mean": value, "std": std})
 
 
 def _speedup(row: dict[str, Any]) -> str:
