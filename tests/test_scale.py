@@ -280,6 +280,26 @@ def test_synthetic_per_client_test_is_each_clients_own_held_out_share():
     assert history[-1]["personal_accuracy"] != pytest.approx(history[-1]["test_accuracy"], abs=1e-9)  # not the pooled one
 
 
+def test_personal_metrics_of_contiguous_ranges_equal_the_per_client_ones():
+    """The 100,000-client path (one cumulative sum) gives what one index tensor per client gives; empty shares
+    are left out. Hand case: client 0 holds [1, 0] (50 %), client 1 nothing, client 2 [1, 1, 1] (100 %)."""
+    from fedistill.engine.summary import personal_metrics, personal_metrics_of_ranges
+
+    correct = torch.tensor([True, False, True, True, True])
+    row = personal_metrics_of_ranges(correct, np.array([0, 2, 2, 5]))
+    assert row["personal_clients"] == [0, 2] and row["personal_accuracies"] == [50.0, 100.0]
+    assert row["personal_accuracy"] == 75.0
+    g = torch.Generator().manual_seed(0)
+    correct = torch.rand(1000, generator=g) < 0.6
+    offsets = np.concatenate([[0], np.sort(torch.randint(0, 1001, (99,), generator=g).numpy()), [1000]])
+    by_client = {k: correct[offsets[k] : offsets[k + 1]] for k in range(100)}
+    fast, slow = personal_metrics_of_ranges(correct, offsets), personal_metrics(by_client)
+    assert fast.keys() == slow.keys() and fast["personal_clients"] == slow["personal_clients"]
+    assert len(fast["personal_clients"]) < 100  # some shares are empty
+    for key in fast:
+        assert fast[key] == pytest.approx(slow[key], abs=1e-9), key
+
+
 def test_synthetic_iid_shares_one_labeller_and_learns_at_a_thousand_clients():
     spec = SyntheticSpec(num_clients=1000, iid=True)
     w3, b3, v3 = spec.client_model(3)

@@ -32,7 +32,7 @@ from .perf import deterministic_kernels
 from .run_setup import apply_process_settings, build_model_for, round_info, run_numerics  # noqa: F401  (re-exported)
 from .seeding import INIT, SERVER, make_generator, sample_clients
 from .state_store import DiskStateStore, MemoryStateStore, make_state_store
-from .summary import personal_metrics, personal_metrics_from_counts
+from .summary import personal_metrics, personal_metrics_from_counts, personal_metrics_of_ranges
 
 
 @dataclass
@@ -297,7 +297,11 @@ class ServerRuntime:
             row["prediction_counts"] = [int(v) for v in predictions]
             row["prediction_kl_uniform"] = kl_from_uniform(predictions)
             if self.algorithm.personal_model == "global" and self.client_test_indices is not None and not self.personal_on_clients:
-                row.update(personal_metrics({k: correct[ix] for k, ix in enumerate(self.client_test_indices)}))
+                offsets = getattr(self.client_test_indices, "offsets", None)  # contiguous ranges (synthetic)
+                if offsets is not None:
+                    row.update(personal_metrics_of_ranges(correct, offsets))
+                else:
+                    row.update(personal_metrics({k: correct[ix] for k, ix in enumerate(self.client_test_indices)}))
         if self.algorithm.personal_model == "local":
             reports = {cid: r for cid, r in replies.items() if f"{EVAL_PREFIX}count" in r}
             if reports:
