@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -176,6 +177,24 @@ def test_unreadable_preset_files_are_one_line(tmp_path, capsys):
         assert main(["reproduce", str(tmp_path / name)]) == 2
         err = capsys.readouterr().err.strip()
         assert words in err and "\n" not in err and "Traceback" not in err, err
+
+
+def test_jobs_run_the_runs_in_parallel_processes_with_the_serial_numbers(tiny, tmp_path, capsys):
+    """--jobs 2: the same table as one run at a time (the diverging method included), each run finished once."""
+    serial = reproduce(tiny, tmp_path / "serial", rounds=2, seeds=[0, 1], columns=["lda"], overrides=["run.threads=1"])
+    parallel = reproduce(tiny, tmp_path / "parallel", rounds=2, seeds=[0, 1], columns=["lda"], jobs=2)
+    keys = ("method", "best_accuracy", "best_accuracy_std", "final_accuracy", "failed")
+    assert [tuple(r[k] for k in keys) for r in serial] == [tuple(r[k] for k in keys) for r in parallel]
+    out = capsys.readouterr().out
+    assert "6 runs to do, 2 at a time" in out and "(6/6)" in out
+    saved = yaml.safe_load((tmp_path / "parallel" / "tiny" / "lda" / "FedAvg" / "seed1" / "config.yaml").read_text())
+    assert saved["run"]["threads"] == max(1, (os.cpu_count() or 1) // 2)
+    reproduce(tiny, tmp_path / "parallel", rounds=2, seeds=[0, 1], columns=["lda"], jobs=2)
+    assert "runs to do" not in capsys.readouterr().out  # every run reused
+    with pytest.raises(ConfigError, match="oversubscribe"):
+        reproduce(tiny, tmp_path / "x", rounds=1, jobs=10_000)
+    with pytest.raises(ConfigError, match="holds a run with another configuration"):
+        reproduce(tiny, tmp_path / "parallel", rounds=2, seeds=[0], columns=["lda"], jobs=2, overrides=["local.lr=0.01"])
 
 
 def test_every_shipped_preset_validates_for_every_run():

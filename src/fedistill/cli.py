@@ -191,7 +191,7 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
     split = lambda text: [t.strip() for t in text.split(",") if t.strip()] if text is not None else None  # noqa: E731
     reproduce(
         preset, Path(args.out), rounds=args.rounds, seeds=args.seeds, methods=split(args.methods),
-        columns=split(args.columns), overrides=overrides,
+        columns=split(args.columns), overrides=overrides, jobs=args.jobs,
     )  # fmt: skip
     return 0
 
@@ -345,6 +345,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--methods", help="comma-separated subset of the preset's methods")
     p.add_argument("--columns", help="comma-separated subset of the preset's columns (settings)")
     p.add_argument("--out", default="reproduce", help="parent directory of the runs and tables (default reproduce/)")
+    p.add_argument("--jobs", type=int, default=1, help="runs at once, each in its own process with cores/jobs threads (default 1)")
     p.add_argument("--data-dir", help="directory of the official dataset files [dataset.data_dir]")
     p.add_argument("--download", action="store_true", help="download missing official dataset files")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="override a key in every run, e.g. run.workers=2")

@@ -20,6 +20,7 @@ import copy
 import csv
 import io
 import json
+import os
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
@@ -320,12 +321,25 @@ def reproduce(
     columns: list[str] | None = None,
     overrides: list[str] | None = None,
     console=None,
+    jobs: int = 1,
 ) -> list[dict[str, Any]]:
-    """Run (or reuse) every selected run, then write and return the comparison table rows."""
+    """Run (or reuse) every selected run, ``jobs`` at a time (each in its own process with cores // jobs
+    threads), then write and return the comparison table rows."""
     from .runner import make_console
 
     console = console or make_console(wide=True)
     from .report.groups import check_seeds
+
+    cores = os.cpu_count() or 1
+    if jobs < 1:
+        raise ConfigError(f"reproduce --jobs: {jobs}; give 1 or more")
+    if jobs > cores:
+        raise ConfigError(f"reproduce --jobs: {jobs} runs at once on {cores} cores would oversubscribe them; use at most {cores}")
+    if jobs > 1:
+        overrides = list(overrides or [])
+        if "run.threads" not in _override_keys(overrides):
+            overrides.append(f"run.threads={max(1, cores // jobs)}")
+        overrides.append("run.progress=false")  # one line per finished run instead of interleaved bars
 
     rounds = rounds or preset.paper_rounds
     seeds = check_seeds(seeds) if seeds is not None else [0]
@@ -359,6 +373,8 @@ def reproduce(
         root.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise ConfigError(f"reproduce --out {out_dir}: cannot create {root} ({exc.strerror or exc}); choose another --out") from None
+    if jobs > 1:
+        _run_in_parallel(preset, configs, root, jobs, console)
     results: dict[tuple[str, str, int], RunResult] = {}
     for (column, method, seed), cfg in configs.items():
         run_path = root / column / method_dir_name(method) / f"seed{seed}"
@@ -373,6 +389,50 @@ def reproduce(
     print_table(console, preset, table, rounds, seeds, root)
     print_claims(console, claims, root)
     return table
+
+
+def _ensure_run_quietly(config_tree: dict[str, Any], path: str) -> str:
+    """:func:`ensure_run` in a worker process of ``reproduce --jobs``, its console discarded."""
+    import io
+
+    from rich.console import Console
+
+    from .config import build_config
+
+    ensure_run(build_config(config_tree), Path(path), Console(file=io.StringIO(), width=120))
+    return path
+
+
+def _run_in_parallel(preset: Preset, configs: dict[tuple[str, str, int], Any], root: Path, jobs: int, console) -> None:
+    """Run the unfinished runs ``jobs`` at a time in spawned processes (no forked torch state; plugins travel in
+    $FEDISTILL_PLUGINS), one line as each finishes. A run whose directory holds another configuration is
+    refused here, before any starts, as the serial path would."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+
+    todo = []
+    for (column, method, seed), cfg in configs.items():
+        path = root / column / method_dir_name(method) / f"seed{seed}"
+        if (path / "config.yaml").is_file():
+            saved, rows, summary = _read(path)
+            if _stripped(saved) != _stripped(cfg.to_dict()):
+                raise ConfigError(
+                    f"reproduce: {path} holds a run with another configuration (the preset or --set changed); "
+                    "use another --out, or delete that directory"
+                )
+            if summary.get("status") == "diverged" or (summary.get("status") == "finished" and len(rows) >= cfg.rounds):
+                continue
+        todo.append(((column, method, seed), cfg, path))
+    if not todo:
+        return
+    console.print(f"[bold]{preset.name}[/]: {len(todo)} runs to do, {jobs} at a time -> {root}")
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=context) as pool:
+        futures = {pool.submit(_ensure_run_quietly, cfg.resolved_dict(), str(path)): key for key, cfg, path in todo}
+        for done, future in enumerate(as_completed(futures), 1):
+            future.result()  # a failed run stops the table here, with its own error
+            column, method, seed = futures[future]
+            console.print(f"{preset.columns[column].label} / {method} / seed {seed} finished ({done}/{len(todo)})", highlight=False)
 
 
 def comparison_rows(preset, results, columns, methods, seeds, rounds) -> list[dict[str, Any]]:
