@@ -686,7 +686,7 @@ def test_train_subset_is_a_fixed_ordered_subset_and_leaves_the_test_split(digits
 def test_train_samples_reduces_what_the_clients_hold(tmp_path):
     from fedistill.runner import load_dataset_for
     from fedistill.simulation import Simulation
-    from tests.conftest import small_config
+    from conftest import small_config
 
     cfg = small_config(**{"dataset.train_samples": 500})
     sim = Simulation(cfg, load_dataset_for(cfg))
