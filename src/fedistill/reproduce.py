@@ -288,21 +288,32 @@ def _read(run_path: Path) -> tuple[dict[str, Any], list[dict[str, Any]], dict[st
     return read_run(run_path, require_metrics=False)
 
 
+def run_state(cfg, run_path: Path) -> str:
+    """``done`` (finished with ``cfg.rounds`` rounds, or diverged), ``partial`` (to resume) or ``new``; a
+    directory holding another configuration is refused (a changed preset or --set must not mix runs)."""
+    if not (run_path / "config.yaml").is_file():
+        return "new"
+    saved, rows, summary = _read(run_path)
+    if _stripped(saved) != _stripped(cfg.to_dict()):
+        raise ConfigError(
+            f"reproduce: {run_path} holds a run with another configuration (the preset or --set changed); "
+            "use another --out, or delete that directory"
+        )
+    if summary.get("status") == "diverged" or (summary.get("status") == "finished" and len(rows) >= cfg.rounds):
+        return "done"
+    return "partial"
+
+
 def _ensure_run(cfg, run_path: Path, console) -> None:
     import shutil
 
     from .report.rundir import RunDirectory
     from .runner import run_experiment
 
-    if (run_path / "config.yaml").is_file():
-        saved, rows, summary = _read(run_path)
-        if _stripped(saved) != _stripped(cfg.to_dict()):
-            raise ConfigError(
-                f"reproduce: {run_path} holds a run with another configuration (the preset or --set changed); "
-                "use another --out, or delete that directory"
-            )
-        if summary.get("status") == "diverged" or (summary.get("status") == "finished" and len(rows) >= cfg.rounds):
-            return
+    state = run_state(cfg, run_path)
+    if state == "done":
+        return
+    if state == "partial":
         # Resumed from its checkpoint, or started again from round 1 if it died before the first one.
         run_experiment(cfg, RunDirectory(run_path), resume=True, console=console)
         return
@@ -413,16 +424,8 @@ def _run_in_parallel(preset: Preset, configs: dict[tuple[str, str, int], Any], r
     todo = []
     for (column, method, seed), cfg in configs.items():
         path = root / column / method_dir_name(method) / f"seed{seed}"
-        if (path / "config.yaml").is_file():
-            saved, rows, summary = _read(path)
-            if _stripped(saved) != _stripped(cfg.to_dict()):
-                raise ConfigError(
-                    f"reproduce: {path} holds a run with another configuration (the preset or --set changed); "
-                    "use another --out, or delete that directory"
-                )
-            if summary.get("status") == "diverged" or (summary.get("status") == "finished" and len(rows) >= cfg.rounds):
-                continue
-        todo.append(((column, method, seed), cfg, path))
+        if run_state(cfg, path) != "done":
+            todo.append(((column, method, seed), cfg, path))
     if not todo:
         return
     console.print(f"[bold]{preset.name}[/]: {len(todo)} runs to do, {jobs} at a time -> {root}")
