@@ -123,7 +123,7 @@ def test_every_registered_method_runs_one_round_with_only_its_name(name, tmp_pat
     assert accuracy is not None and 0.0 <= accuracy <= 100.0
     header = capsys.readouterr().out.splitlines()[0]
     assert name in header  # the header names the method, and what it set where the run's defaults did not suit it
-    assert ("pfedme sets local.momentum=0.0" in header) == (name == "pfedme")
+    assert (f"{name} sets local.momentum=0.0" in header) == (name in ("pfedme", "fedgen"))
 
 
 def test_a_method_that_cannot_run_a_dataset_says_why_in_list_and_in_one_line(tmp_path, capsys, monkeypatch):
@@ -146,6 +146,9 @@ def test_a_methods_defaults_never_override_what_the_user_set(tmp_path):
     assert build_config({"algorithm": "fedgkt", "model": {"name": "fd_resnet4"}})._method_settings == {
         "model.server": "fd_server_resnet56", "partition.per_client_test": True}  # fmt: skip
     assert build_config({"algorithm": "fedavg"}).local.momentum == 0.9  # other methods keep the run's default
+    # FedGen's card trains its clients with plain SGD; a run (or preset) that sets momentum keeps it
+    assert build_config({"algorithm": "fedgen"}).local.momentum == 0.0
+    assert build_config({"algorithm": "fedgen", "local": {"momentum": 0.9}}).local.momentum == 0.9
     with pytest.raises(ConfigError, match="local.momentum: pfedme runs momentum-free"):
         build_config({"algorithm": "pfedme", "local": {"momentum": 0.9}})
     with pytest.raises(ConfigError, match="local.momentum"):
