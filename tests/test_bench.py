@@ -165,6 +165,24 @@ def test_a_method_that_swaps_the_model_drops_the_protocols_model_options(tmp_pat
     assert cells["fedavg"].config.model.kwargs == {"channels": [8, 16], "hidden": 32}
 
 
+def test_method_settings_change_a_cards_defaults_and_are_stated(tmp_path):
+    """With methods left out, method_settings changes named methods' card defaults (and only theirs), over the
+    card's own needs; the leaderboard lists each change. Unknown names and a suite that lists its methods are refused."""
+    protocol = {**TINY["protocol"], "rounds": 1}
+    settings = {"fedgkt": {"model": {"server_kwargs": {"blocks_per_stage": 1}}}, "fedprox": {"algorithm": {"mu": 0.5}}}
+    suite = load_suite(str(_suite(tmp_path, protocol=protocol, methods=None, method_settings=settings)))
+    cells = {c.method: c for c in suite_cells(suite, tmp_path / "out") if c.seed == 0 and c.setting == "iid"}
+    assert cells["fedgkt"].config.model.server == "fd_server_resnet56"  # the card's need is kept
+    assert cells["fedgkt"].config.model.server_kwargs == {"blocks_per_stage": 1}
+    assert cells["fedprox"].config.algorithm.params_dict()["mu"] == 0.5
+    assert cells["feddkc"].config.model.server_kwargs == {}  # not named: card defaults
+    assert "fedgkt departs from its card defaults here: model.server_kwargs.blocks_per_stage=1." in suite.all_notes()
+    with pytest.raises(ConfigError, match="method_settings names unknown methods \\['fedmagic'\\]"):
+        load_suite(str(_suite(tmp_path, methods=None, method_settings={"fedmagic": {}})))
+    with pytest.raises(ConfigError, match="with methods listed"):
+        load_suite(str(_suite(tmp_path, method_settings={"fedprox": {"algorithm": {"mu": 0.5}}})))
+
+
 def test_round_flops_match_the_logistic_models_count_by_hand():
     """One round of FedAvg with logistic regression (60 -> 10, no hidden layer) on 10 synthetic clients: each
     training sample costs a forward matmul (2 * 60 * 10) and the weight gradient's (2 * 60 * 10; the input needs

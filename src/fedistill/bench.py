@@ -57,6 +57,9 @@ class Suite(StrictModel):
     protocol: dict[str, Any]
     settings: dict[str, SettingSpec]
     methods: dict[str, BenchMethod] | None = None  # None: every registered method, card defaults
+    # With methods left out: what the suite changes from a method's card defaults (a narrower generator, a
+    # smaller server model, to fit the suite's budget), by registered name, applied over the card's settings.
+    method_settings: dict[str, dict[str, Any]] = Field(default_factory=dict)
     seeds: list[int] = Field(default_factory=lambda: [0, 1, 2])
     target_accuracy: float | None = Field(None, gt=0, le=100)
     notes: list[str] = Field(default_factory=list)
@@ -68,6 +71,18 @@ class Suite(StrictModel):
         from .registry import ALGORITHMS
 
         return {name: BenchMethod(config={"algorithm": {"name": name}}) for name in sorted(ALGORITHMS)}
+
+    def all_notes(self) -> list[str]:
+        """The suite's notes, then one line per method whose card defaults the suite changed (method_settings)."""
+
+        def leaves(tree: dict[str, Any], prefix: str = "") -> list[str]:
+            out = []
+            for key, value in tree.items():
+                out += leaves(value, f"{prefix}{key}.") if isinstance(value, dict) and value else [f"{prefix}{key}={value}"]
+            return out
+
+        changed = [f"{name} departs from its card defaults here: {', '.join(leaves(fragment))}." for name, fragment in self.method_settings.items()]
+        return [*self.notes, *changed]
 
     def card_settings(self, tree: dict[str, Any]) -> dict[str, Any]:
         """With every method on its card defaults (``methods`` left out), what a method needs where the protocol
@@ -115,6 +130,18 @@ def load_suite(name_or_path: str) -> Suite:
         raise ConfigError(f"bench: suite {path}: settings is empty; name at least one setting")
     if not suite.seeds or len(set(suite.seeds)) != len(suite.seeds) or min(suite.seeds) < 0:
         raise ConfigError(f"bench: suite {path}: seeds must be distinct non-negative integers, got {suite.seeds}")
+    if suite.method_settings:
+        if suite.methods is not None:
+            raise ConfigError(
+                f"bench: suite {path}: method_settings changes card defaults when methods are left out; "
+                "with methods listed, put the change in that method's config"
+            )
+        from . import algorithms as _algorithms  # noqa: F401  (registers the methods)
+        from .registry import ALGORITHMS
+
+        unknown = sorted(set(suite.method_settings) - set(ALGORITHMS.names()))
+        if unknown:
+            raise ConfigError(f"bench: suite {path}: method_settings names unknown methods {unknown} (see `fedistill list`)")
     for method, spec in (suite.methods or {}).items():
         unknown = sorted(set(spec.per_setting) - set(suite.settings))
         if unknown:
@@ -177,6 +204,8 @@ def suite_cells(suite: Suite, root: Path, overrides: list[str] | None = None) ->
                 # model.kwargs (e.g. a narrower cnn) were options of the model it no longer uses.
                 tree = {**tree, "model": {k: v for k, v in protocol_model.items() if k != "kwargs"}}
             tree = _merge(tree, card)
+            if method in suite.method_settings:  # the suite's stated departures from the card
+                tree = _merge(tree, suite.method_settings[method])
             for seed in suite.seeds:
                 path = root / setting / method_dir_name(method) / f"seed{seed}"
                 cell = Cell(len(cells), setting, method, seed, path)
@@ -496,7 +525,7 @@ def write_leaderboard(suite: Suite, rows: list[dict[str, Any]], root: Path, cell
             part = [r for r in rows if r["setting"] == setting]
             figures[setting] = plot_setting(spec.label, part, curves, root / f"leaderboard_{method_dir_name(setting)}.png")
         labels = {setting: spec.label for setting, spec in suite.settings.items()}
-        write_html(suite.title, suite.description, suite.notes, labels, rows, figures, suite.target_accuracy, root / "leaderboard.html")
+        write_html(suite.title, suite.description, suite.all_notes(), labels, rows, figures, suite.target_accuracy, root / "leaderboard.html")
     (root / "leaderboard.md").write_text(leaderboard_markdown(suite, rows))
     (root / "leaderboard.json").write_text(json.dumps(rows, indent=1))
     fields = list(dict.fromkeys(k for r in rows for k in r))

@@ -120,7 +120,8 @@ def leaderboard_markdown(suite, rows: list[dict[str, Any]]) -> str:
         + (f" ({peak:.0f} GFLOP/s, measured by this bench)." if peak else "."),
         "",
     ]  # fmt: skip
-    lines += [f"- {note}" for note in suite.notes] + ([""] if suite.notes else [])
+    notes = suite.all_notes()
+    lines += [f"- {note}" for note in notes] + ([""] if notes else [])
     target = f"rounds to {suite.target_accuracy:g} %" if suite.target_accuracy is not None else "rounds to target"
     for setting, spec in suite.settings.items():
         lines += [
