@@ -274,7 +274,7 @@ def _run_cell(config_tree: dict[str, Any], path: str, count_flops: bool = False)
     from rich.console import Console
 
     from .config import build_config
-    from .reproduce import ensure_run
+    from .runs import ensure_run
 
     start = time.perf_counter()
     try:
@@ -410,12 +410,12 @@ def _run_on_ray(todo: list[Cell], address: str, threads: int, first_seed: int):
 def _refuse_changed_cells(cells: list[Cell]) -> None:
     """Before anything runs: a cell directory holding a run of another configuration (the suite or --set
     changed) is refused, finished or not, so the leaderboard never mixes two protocols."""
-    from .reproduce import _read, _stripped
+    from .runs import comparable_config, read_saved
 
     for cell in cells:
         if cell.why_not is None and (cell.path / "config.yaml").is_file():
-            saved, _, _ = _read(cell.path)
-            if _stripped(saved) != _stripped(cell.config.to_dict()):
+            saved, _, _ = read_saved(cell.path)
+            if comparable_config(saved) != comparable_config(cell.config.to_dict()):
                 raise ConfigError(
                     f"bench: {cell.path} holds a run with another configuration (the suite or --set changed); "
                     "use another --out, or delete that directory"
@@ -440,9 +440,10 @@ def _cell_result(cell: Cell):
     """The finished cell's numbers (reproduce's RunResult), or None."""
     if cell.why_not is not None or not (cell.path / "config.yaml").is_file():
         return None
-    from .reproduce import _read, run_result
+    from .reproduce import run_result
+    from .runs import read_saved
 
-    _, rows, summary = _read(cell.path)
+    _, rows, summary = read_saved(cell.path)
     if summary.get("status") not in ("finished", "diverged"):
         return None
     return run_result(cell.config, cell.setting, cell.method, cell.seed, rows[: cell.config.rounds], summary.get("status") == "diverged")

@@ -32,6 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from .config import load_yaml
 from .config import bundled_configs, bundled_configs_dir, build_config, find_config  # noqa: F401  (re-exported)
 from .errors import ConfigError
+from .runs import ensure_run, run_in_parallel
 
 PRESET_DIR = "configs/reproduce"
 
@@ -254,75 +255,6 @@ def run_result(cfg, column: str, method: str, seed: int, rows: list[dict[str, An
     )  # fmt: skip
 
 
-def _stripped(config: dict[str, Any]) -> dict[str, Any]:
-    """The parts of a saved config that decide its numbers, resolved (every default written out, keys a later
-    version added filled in), so a run saved before a setting existed compares equal to the same run now."""
-    from .config import resolved_config
-
-    from .engine.checkpoint import comparable_setting
-
-    return {k: comparable_setting(k, v) for k, v in resolved_config(config).items() if k not in ("rounds", "run")}
-
-
-def ensure_run(cfg, run_path: Path, console) -> tuple[list[dict[str, Any]], bool]:
-    """Run, resume or reuse the run at ``run_path`` so that it has ``cfg.rounds`` rounds.
-
-    Returns its metric rows (at most ``cfg.rounds``) and whether it diverged; a diverged run is a result
-    (the paper's "Failed"), not an error that stops the table.
-    """
-    from .errors import TrainingDiverged
-
-    try:
-        _ensure_run(cfg, run_path, console)
-    except TrainingDiverged as exc:
-        console.print(f"[yellow]{run_path}: {exc}[/]")
-    _, rows, summary = _read(run_path)
-    return rows[: cfg.rounds], summary.get("status") == "diverged"
-
-
-def _read(run_path: Path) -> tuple[dict[str, Any], list[dict[str, Any]], dict[str, Any]]:
-    """(config, rows, summary) of a run directory, tolerating a run that stopped before its first row
-    (or was killed while writing one)."""
-    from .report.rundir import read_run
-
-    return read_run(run_path, require_metrics=False)
-
-
-def run_state(cfg, run_path: Path) -> str:
-    """``done`` (finished with ``cfg.rounds`` rounds, or diverged), ``partial`` (to resume) or ``new``; a
-    directory holding another configuration is refused (a changed preset or --set must not mix runs)."""
-    if not (run_path / "config.yaml").is_file():
-        return "new"
-    saved, rows, summary = _read(run_path)
-    if _stripped(saved) != _stripped(cfg.to_dict()):
-        raise ConfigError(
-            f"reproduce: {run_path} holds a run with another configuration (the preset or --set changed); "
-            "use another --out, or delete that directory"
-        )
-    if summary.get("status") == "diverged" or (summary.get("status") == "finished" and len(rows) >= cfg.rounds):
-        return "done"
-    return "partial"
-
-
-def _ensure_run(cfg, run_path: Path, console) -> None:
-    import shutil
-
-    from .report.rundir import RunDirectory
-    from .runner import run_experiment
-
-    state = run_state(cfg, run_path)
-    if state == "done":
-        return
-    if state == "partial":
-        # Resumed from its checkpoint, or started again from round 1 if it died before the first one.
-        run_experiment(cfg, RunDirectory(run_path), resume=True, console=console)
-        return
-    if run_path.exists():  # a directory without a config: nothing of a run was written yet
-        shutil.rmtree(run_path)
-    run_path.mkdir(parents=True)
-    run_experiment(cfg, RunDirectory(run_path), console=console)
-
-
 def reproduce(
     preset: Preset,
     out_dir: Path,
@@ -385,7 +317,8 @@ def reproduce(
     except OSError as exc:
         raise ConfigError(f"reproduce --out {out_dir}: cannot create {root} ({exc.strerror or exc}); choose another --out") from None
     if jobs > 1:
-        _run_in_parallel(preset, configs, root, jobs, console)
+        todo = [(f"{preset.columns[c].label} / {m} / seed {sd}", cfg, root / c / method_dir_name(m) / f"seed{sd}") for (c, m, sd), cfg in configs.items()]
+        run_in_parallel(todo, jobs, console, preset.name, root)
     results: dict[tuple[str, str, int], RunResult] = {}
     for (column, method, seed), cfg in configs.items():
         run_path = root / column / method_dir_name(method) / f"seed{seed}"
@@ -400,42 +333,6 @@ def reproduce(
     print_table(console, preset, table, rounds, seeds, root)
     print_claims(console, claims, root)
     return table
-
-
-def _ensure_run_quietly(config_tree: dict[str, Any], path: str) -> str:
-    """:func:`ensure_run` in a worker process of ``reproduce --jobs``, its console discarded."""
-    import io
-
-    from rich.console import Console
-
-    from .config import build_config
-
-    ensure_run(build_config(config_tree), Path(path), Console(file=io.StringIO(), width=120))
-    return path
-
-
-def _run_in_parallel(preset: Preset, configs: dict[tuple[str, str, int], Any], root: Path, jobs: int, console) -> None:
-    """Run the unfinished runs ``jobs`` at a time in spawned processes (no forked torch state; plugins travel in
-    $FEDISTILL_PLUGINS), one line as each finishes. A run whose directory holds another configuration is
-    refused here, before any starts, as the serial path would."""
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor, as_completed
-
-    todo = []
-    for (column, method, seed), cfg in configs.items():
-        path = root / column / method_dir_name(method) / f"seed{seed}"
-        if run_state(cfg, path) != "done":
-            todo.append(((column, method, seed), cfg, path))
-    if not todo:
-        return
-    console.print(f"[bold]{preset.name}[/]: {len(todo)} runs to do, {jobs} at a time -> {root}")
-    context = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(max_workers=jobs, mp_context=context) as pool:
-        futures = {pool.submit(_ensure_run_quietly, cfg.resolved_dict(), str(path)): key for key, cfg, path in todo}
-        for done, future in enumerate(as_completed(futures), 1):
-            future.result()  # a failed run stops the table here, with its own error
-            column, method, seed = futures[future]
-            console.print(f"{preset.columns[column].label} / {method} / seed {seed} finished ({done}/{len(todo)})", highlight=False)
 
 
 def comparison_rows(preset, results, columns, methods, seeds, rounds) -> list[dict[str, Any]]:

@@ -1,0 +1,113 @@
+"""Run, resume or reuse run directories, one at a time or N at a time (``reproduce`` and ``bench``).
+
+A run directory that already holds a run is compared with the configuration asked for (the parts that decide
+its numbers): the same run finished is reused, an interrupted one resumes from its checkpoint, and another
+configuration is refused, never mixed into a table.
+"""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+from typing import Any
+
+from .errors import ConfigError
+
+__all__ = ["comparable_config", "read_saved", "run_state", "ensure_run", "run_in_parallel"]
+
+
+def comparable_config(config: dict[str, Any]) -> dict[str, Any]:
+    """The parts of a saved config that decide its numbers, resolved (every default written out, keys a later
+    version added filled in), so a run saved before a setting existed compares equal to the same run now."""
+    from .config import resolved_config
+    from .engine.checkpoint import comparable_setting
+
+    return {k: comparable_setting(k, v) for k, v in resolved_config(config).items() if k not in ("rounds", "run")}
+
+
+def read_saved(run_path: Path) -> tuple[dict[str, Any], list[dict[str, Any]], dict[str, Any]]:
+    """(config, rows, summary) of a run directory, tolerating a run that stopped before its first row
+    (or was killed while writing one)."""
+    from .report.rundir import read_run
+
+    return read_run(run_path, require_metrics=False)
+
+
+def run_state(cfg, run_path: Path) -> str:
+    """``done`` (finished with ``cfg.rounds`` rounds, or diverged), ``partial`` (to resume) or ``new``; a
+    directory holding another configuration is refused (a changed preset or --set must not mix runs)."""
+    if not (run_path / "config.yaml").is_file():
+        return "new"
+    saved, rows, summary = read_saved(run_path)
+    if comparable_config(saved) != comparable_config(cfg.to_dict()):
+        raise ConfigError(
+            f"reproduce: {run_path} holds a run with another configuration (the preset or --set changed); "
+            "use another --out, or delete that directory"
+        )
+    if summary.get("status") == "diverged" or (summary.get("status") == "finished" and len(rows) >= cfg.rounds):
+        return "done"
+    return "partial"
+
+
+def ensure_run(cfg, run_path: Path, console) -> tuple[list[dict[str, Any]], bool]:
+    """Run, resume or reuse the run at ``run_path`` so that it has ``cfg.rounds`` rounds.
+
+    Returns its metric rows (at most ``cfg.rounds``) and whether it diverged; a diverged run is a result
+    (the paper's "Failed"), not an error that stops the table.
+    """
+    from .errors import TrainingDiverged
+
+    try:
+        _run_to_the_end(cfg, run_path, console)
+    except TrainingDiverged as exc:
+        console.print(f"[yellow]{run_path}: {exc}[/]")
+    _, rows, summary = read_saved(run_path)
+    return rows[: cfg.rounds], summary.get("status") == "diverged"
+
+
+def _run_to_the_end(cfg, run_path: Path, console) -> None:
+    import shutil
+
+    from .report.rundir import RunDirectory
+    from .runner import run_experiment
+
+    state = run_state(cfg, run_path)
+    if state == "done":
+        return
+    if state == "partial":
+        # Resumed from its checkpoint, or started again from round 1 if it died before the first one.
+        run_experiment(cfg, RunDirectory(run_path), resume=True, console=console)
+        return
+    if run_path.exists():  # a directory without a config: nothing of a run was written yet
+        shutil.rmtree(run_path)
+    run_path.mkdir(parents=True)
+    run_experiment(cfg, RunDirectory(run_path), console=console)
+
+
+def _ensure_run_quietly(config_tree: dict[str, Any], path: str) -> str:
+    """:func:`ensure_run` in a worker process, its console discarded."""
+    from rich.console import Console
+
+    from .config import build_config
+
+    ensure_run(build_config(config_tree), Path(path), Console(file=io.StringIO(), width=120))
+    return path
+
+
+def run_in_parallel(runs: list[tuple[str, Any, Path]], jobs: int, console, name: str, root: Path) -> None:
+    """Bring every (label, config, path) of ``runs`` to its rounds, ``jobs`` at a time in spawned processes
+    (no forked torch state; plugins travel in $FEDISTILL_PLUGINS), one line as each finishes. Every directory
+    is checked first, so a changed configuration stops everything before any run starts."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+
+    todo = [(label, cfg, path) for label, cfg, path in runs if run_state(cfg, path) != "done"]
+    if not todo:
+        return
+    console.print(f"[bold]{name}[/]: {len(todo)} runs to do, {jobs} at a time -> {root}")
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=context) as pool:
+        futures = {pool.submit(_ensure_run_quietly, cfg.resolved_dict(), str(path)): label for label, cfg, path in todo}
+        for done, future in enumerate(as_completed(futures), 1):
+            future.result()  # a failed run stops here, with its own error
+            console.print(f"{futures[future]} finished ({done}/{len(todo)})", highlight=False)
