@@ -269,16 +269,11 @@ def measure_bf16_peak(threads: int, size: int = 2048, seconds: float = 1.0) -> f
 def _run_cell(config_tree: dict[str, Any], path: str, count_flops: bool = False) -> tuple[str, float]:
     """Run (or resume, or reuse) one cell; in a worker process with --jobs. Returns (path, seconds). With
     ``count_flops`` (the first seed of a (setting, method)) also counts one round's FLOPs into flops.json."""
-    import io
-
-    from rich.console import Console
-
-    from .config import build_config
-    from .runs import ensure_run
+    from .runs import ensure_run_quietly
 
     start = time.perf_counter()
     try:
-        ensure_run(build_config(config_tree), Path(path), Console(file=io.StringIO(), width=120))
+        ensure_run_quietly(config_tree, path)
     except ConfigError as exc:
         # Refused while the run was set up (a model the method cannot split, ...): n/a with the reason, kept
         # so that later benches skip it; a configuration that changed is the user's to resolve, not n/a.

@@ -13,7 +13,7 @@ from typing import Any
 
 from .errors import ConfigError
 
-__all__ = ["comparable_config", "read_saved", "run_state", "ensure_run", "run_in_parallel"]
+__all__ = ["comparable_config", "read_saved", "run_state", "ensure_run", "ensure_run_quietly", "run_in_parallel"]
 
 
 def comparable_config(config: dict[str, Any]) -> dict[str, Any]:
@@ -84,8 +84,8 @@ def _run_to_the_end(cfg, run_path: Path, console) -> None:
     run_experiment(cfg, RunDirectory(run_path), console=console)
 
 
-def _ensure_run_quietly(config_tree: dict[str, Any], path: str) -> str:
-    """:func:`ensure_run` in a worker process, its console discarded."""
+def ensure_run_quietly(config_tree: dict[str, Any], path: str) -> str:
+    """:func:`ensure_run` from a config tree (in a worker process: picklable), its console discarded."""
     from rich.console import Console
 
     from .config import build_config
@@ -107,7 +107,7 @@ def run_in_parallel(runs: list[tuple[str, Any, Path]], jobs: int, console, name:
     console.print(f"[bold]{name}[/]: {len(todo)} runs to do, {jobs} at a time -> {root}")
     context = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=jobs, mp_context=context) as pool:
-        futures = {pool.submit(_ensure_run_quietly, cfg.resolved_dict(), str(path)): label for label, cfg, path in todo}
+        futures = {pool.submit(ensure_run_quietly, cfg.resolved_dict(), str(path)): label for label, cfg, path in todo}
         for done, future in enumerate(as_completed(futures), 1):
             future.result()  # a failed run stops here, with its own error
             console.print(f"{futures[future]} finished ({done}/{len(todo)})", highlight=False)
