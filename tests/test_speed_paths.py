@@ -4,6 +4,7 @@ client state kept off the device between clients, and the server's seconds per r
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import torch.nn.functional as F
@@ -138,7 +139,12 @@ def test_a_cuda_run_asks_cudnn_for_deterministic_algorithms(monkeypatch):
 
     monkeypatch.setattr(torch.backends.cudnn, "benchmark", True)
     monkeypatch.setattr(torch.backends.cudnn, "deterministic", False)
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    asked: list[tuple] = []  # recorded, not applied: the flag is process-wide and this process runs on the CPU
+    monkeypatch.setattr(torch, "use_deterministic_algorithms", lambda mode, **kw: asked.append((mode, kw)))
     deterministic_kernels(torch.device("cpu"))
-    assert torch.backends.cudnn.benchmark and not torch.backends.cudnn.deterministic
+    assert torch.backends.cudnn.benchmark and not torch.backends.cudnn.deterministic and not asked
     deterministic_kernels(torch.device("cuda", 0))
     assert not torch.backends.cudnn.benchmark and torch.backends.cudnn.deterministic
+    # beyond cuDNN: deterministic variants of every op (warn where none exists) and cuBLAS's fixed workspace
+    assert asked == [(True, {"warn_only": True})] and os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"

@@ -420,7 +420,7 @@ class DaFKD(FedAvg):
         model.train()
         discriminator.train()
         generator.train()
-        loss_sum = torch.zeros((), dtype=torch.float64)
+        loss_sum = torch.zeros((), dtype=torch.float64, device=client.device)  # on the device: no sync per step
         seen = 0
         for epoch in range(self.local.epochs):
             gan_epoch = self._active(p.gan_epochs, epoch)
@@ -606,7 +606,7 @@ def distil(
     n = inputs.shape[0]
     epoch_loss = float("nan")
     for _ in range(p.distill_epochs):
-        total = torch.zeros((), dtype=torch.float64)
+        total = torch.zeros((), dtype=torch.float64, device=device)
         for start in range(0, n, p.distill_batch_size):
             xb = inputs[start : start + p.distill_batch_size].to(device)
             tb = log_target[start : start + p.distill_batch_size].to(device)

@@ -394,7 +394,8 @@ class DemLearn(FedAvg):
         itself. A client that never trained (no stored w_k) starts from what it received: in round 1 the
         initial model (card: round 0). ``client.state`` is only read."""
         own = client.state.get(WEIGHTS_KEY)
-        set_flat(client.model, received if own is None else mix(own, received, self.params.alpha))
+        # On a GPU the executor hands the state over on the device and the message stays on the host (issue 29).
+        set_flat(client.model, received if own is None else mix(own.to(received.device), received, self.params.alpha))
 
     def extra_loss(self, client: ClientContext, msg: Message) -> ExtraLoss | None:
         """``(μ/2)‖w − g_par(k)‖²`` over the trainable parameters, from the client's second round on (its first

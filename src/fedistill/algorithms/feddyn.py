@@ -75,7 +75,8 @@ class FedDyn(FedAvg):
     def reply_extras(self, client: ClientContext, info: RoundInfo, msg: Message, result: LocalResult) -> dict[str, Any]:
         anchor = msg["weights"][trainable_mask(client.model)]  # the broadcast trainable weights
         drift = flat_parameters(client.model).double() - anchor.double()
-        client.state["feddyn_g"] = (client.state["feddyn_g"].double() - self._alpha(msg) * drift).float()
+        # .cpu(): on a GPU the executor hands the stored g_k over on the device, the message is on the host (issue 29).
+        client.state["feddyn_g"] = (client.state["feddyn_g"].double().cpu() - self._alpha(msg) * drift).float()
         return {}
 
     # -- server ---------------------------------------------------------------------------------

@@ -133,8 +133,11 @@ class FedGKT(Algorithm):
             raise ValueError(f"client {client.cid}: knowledge of shape {tuple(teacher_all.shape)} for {n} samples")
         if teacher_all is None and p.init_knowledge == "uniform":
             teacher_all = torch.zeros(n, client.data.num_classes)  # all-zero logits: a uniform teacher
+        if teacher_all is not None:
+            teacher_all = teacher_all.to(client.device)  # once, not a host-to-device copy per step
         model.train()
-        loss_sum, seen = torch.zeros((), dtype=torch.float64), 0
+        # On the device: a CPU accumulator cannot add a GPU loss, and reading it back per step would stall.
+        loss_sum, seen = torch.zeros((), dtype=torch.float64, device=client.device), 0
         for _ in range(self.local.epochs):
             # Positions into the client's index set: the key of every sample's knowledge (card A3).
             order = torch.randperm(n, generator=client.generator)
@@ -209,7 +212,7 @@ class FedGKT(Algorithm):
             restore_momentum(optimizer, server.state["server_momentum"])
         generator = make_generator(server.seed, FD_SERVER, info.round)
         batch_size = p.server_batch_size or self.local.batch_size
-        loss_sum, seen = torch.zeros((), dtype=torch.float64), 0
+        loss_sum, seen = torch.zeros((), dtype=torch.float64, device=server.device), 0
         cids = sorted(replies)
         for epoch in range(1, p.server_epochs + 1):
             for cid in cids:

@@ -46,10 +46,11 @@ class Scaffold(FedAvg):
     # -- client ---------------------------------------------------------------------------------
     def _client_control(self, client: ClientContext, size: int) -> torch.Tensor:
         if "scaffold_c" not in client.state:
-            # c_k starts at 0 (card §2). On the host like every message tensor and every other client state:
-            # add_to_gradients moves the correction to the parameters' device.
+            # c_k starts at 0 (card §2). On the host like every message tensor: add_to_gradients moves the
+            # correction to the parameters' device.
             client.state["scaffold_c"] = torch.zeros(size)
-        return client.state["scaffold_c"]
+        # On a GPU the executor hands a stored c_k over on the device (issue 29): read it where the messages are.
+        return client.state["scaffold_c"].cpu()
 
     def grad_correction(self, client: ClientContext, msg: Message) -> Callable[[torch.nn.Module], None]:
         correction = msg["control"] - self._client_control(client, int(msg["control"].numel()))

@@ -37,7 +37,7 @@ def evaluate(
     # Accumulated on the model's device and read once at the end: no host synchronisation per batch.
     correct: torch.Tensor | int = 0
     loss_sum: torch.Tensor | float = 0.0
-    predicted: torch.Tensor | None = None
+    predicted: torch.Tensor | None = None  # (C,) counts on the model's device
     hits: list[torch.Tensor] = []
     n = 0
     for xb, yb in batches:
@@ -49,8 +49,11 @@ def evaluate(
         correct = correct + right.sum()
         if per_sample:
             hits.append(right)
-        counts = torch.bincount(guesses, minlength=logits.shape[1])
-        predicted = counts if predicted is None else predicted + counts
+        # index_add_ into a fixed-size histogram: bincount's output size depends on the data, so on a GPU it
+        # reads the largest guess back to the host, once per batch (issue 29's profile: 200 waits a round).
+        if predicted is None:
+            predicted = torch.zeros(logits.shape[1], dtype=torch.int64, device=guesses.device)
+        predicted.index_add_(0, guesses, torch.ones_like(guesses))
         n += yb.shape[0]
     if n == 0 or predicted is None:
         raise ValueError("evaluate: no samples")

@@ -52,3 +52,12 @@ def deterministic_kernels(device: torch.device) -> None:
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = False
         torch.backends.cudnn.deterministic = True
+        # cuDNN's flag is not enough (issue 29 on an H200: FedAvg, FedFTG and FedICT resumed bit for bit, DaFKD's
+        # GAN rounds did not, off in the 4th decimal): ops outside cuDNN (scatter/index adds in backward passes,
+        # cuBLAS's split reductions) pick atomics too. Ask for the deterministic variants everywhere; warn_only
+        # so that an op without one warns instead of stopping the run. cuBLAS reads its workspace setting
+        # when it starts, so it is set before the first matrix product (an existing setting is kept).
+        import os
+
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=True)

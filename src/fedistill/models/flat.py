@@ -27,7 +27,8 @@ def num_flat(model: nn.Module) -> int:
 @torch.no_grad()
 def get_flat(model: nn.Module) -> torch.Tensor:
     """A new float32 CPU vector with the model's floating-point state."""
-    return torch.cat([t.detach().reshape(-1).float().cpu() for t in float_state(model)])
+    # Concatenated where the model lives, then copied once: one device-to-host wait per model, not per tensor.
+    return torch.cat([t.detach().reshape(-1).float() for t in float_state(model)]).cpu()
 
 
 @torch.no_grad()
@@ -37,6 +38,8 @@ def set_flat(model: nn.Module, vector: torch.Tensor) -> None:
     expected = sum(t.numel() for t in tensors)
     if vector.dim() != 1 or vector.numel() != expected:
         raise ValueError(f"flat vector has {vector.numel()} entries, the model needs {expected}")
+    if tensors:  # one host-to-device copy of the whole vector, not one (synchronising) copy per tensor
+        vector = vector.to(tensors[0].device)
     offset = 0
     for t in tensors:
         n = t.numel()
@@ -70,7 +73,7 @@ def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
 
 def flat_parameters(model: nn.Module) -> torch.Tensor:
     """A new float32 CPU vector of the trainable parameters in ``model.parameters()`` order (no buffers)."""
-    return torch.cat([p.detach().reshape(-1).float().cpu() for p in trainable_parameters(model)])
+    return torch.cat([p.detach().reshape(-1).float() for p in trainable_parameters(model)]).cpu()  # one copy (get_flat)
 
 
 def split_like(vector: torch.Tensor, params: list[torch.Tensor]) -> list[torch.Tensor]:
