@@ -13,7 +13,12 @@ copy, the loss and the evaluation counts accumulate on the device (no host synch
 client's state is on the device only while it trains. s/round and samples/s leave out round 1 (CUDA context,
 cuDNN autotuning). ``--cpu-steps N`` also times N training steps of each model on this machine's CPU.
 
-Run: python benchmarks/bench_gpu.py --data-dir DATA --rounds 5 [--only mnist] [--json out.json]
+A third workload, ``--server-methods``, runs the server-side methods of the source papers on the GPU with their
+reduced presets' settings (issue 29): FedFTG and DaFKD on ``dafkd_reduced``'s MNIST column (CNN, 20 clients, Dirichlet
+0.1, 8 a round, E = 2), FedICT (sim) on ``fedict_fmnist_reduced``'s clients and server on MNIST; seconds per round
+with the server's share (``server_seconds``: aggregation plus the generator / distillation step).
+
+Run: python benchmarks/bench_gpu.py --data-dir DATA --rounds 5 [--only mnist] [--server-methods 3] [--json out.json]
 """
 
 from __future__ import annotations
@@ -84,6 +89,47 @@ def run(protocol: dict, dataset: Dataset, overrides: dict, rounds: int) -> dict:
     }
 
 
+SERVER_METHODS = (
+    ("FedFTG", "benchmarks/presets/dafkd_reduced.yaml", "mnist_0.1", "FedFTG", {}),
+    ("DaFKD", "benchmarks/presets/dafkd_reduced.yaml", "mnist_0.1", "DaFKD", {}),
+    ("FedICT (sim)", "benchmarks/presets/fedict_fmnist_reduced.yaml", "fmnist_0.5", "FedICT (sim)", {"dataset.name": "mnist"}),
+)
+
+
+def server_methods(data_dir: str, rounds: int, device: str) -> dict:
+    """Seconds per round and the server's share for FedFTG, DaFKD and FedICT on their reduced presets' settings."""
+    from pathlib import Path
+
+    from fedistill.reproduce import load_preset, run_config
+    from fedistill.runner import load_dataset_for
+
+    repo = Path(__file__).resolve().parents[1]
+    out = {}
+    for label, preset_file, column, method, extra in SERVER_METHODS:
+        preset = load_preset(str(repo / preset_file))
+        cfg = run_config(preset, column, method, 0, rounds, {"run.device": device, "dataset.data_dir": data_dir, **extra})
+        dataset = load_dataset_for(cfg)
+        sim = Simulation(cfg, dataset)
+        rows = []
+        for rnd in range(1, rounds + 1):
+            row = sim.run_round(rnd)
+            if device.startswith("cuda"):
+                torch.cuda.synchronize()
+            rows.append(row)
+            accuracy = row.get("test_accuracy") if row.get("test_accuracy") is not None else row.get("personal_accuracy")
+            print(f"  {label} round {rnd}: {row['seconds']:.2f} s (server {row.get('server_seconds', 0.0):.2f}), acc {accuracy:.2f}", flush=True)
+        sim.close()
+        timed = rows[1:] if len(rows) > 1 else rows
+        out[label] = {
+            "preset": f"{preset_file} [{column}]",
+            "s_per_round": float(np.mean([r["seconds"] for r in timed])),
+            "server_s_per_round": float(np.mean([r.get("server_seconds", 0.0) for r in timed])),
+            "round1_s": rows[0]["seconds"],
+            "accuracy_last": rows[-1].get("test_accuracy") if rows[-1].get("test_accuracy") is not None else rows[-1].get("personal_accuracy"),
+        }
+    return out
+
+
 def cpu_steps(protocol: dict, dataset: Dataset, precision: str, steps: int) -> float:
     """Training samples/s of ``steps`` steps of one client's local SGD on this machine's CPU."""
     cfg = build_config(protocol, {"rounds": 1, "run.precision": precision, "run.device": "cpu"})
@@ -108,6 +154,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--only", action="append", choices=["mnist", "resnet18"])
     ap.add_argument("--cpu-steps", type=int, default=0)
+    ap.add_argument("--server-methods", type=int, default=0, metavar="ROUNDS", help="also FedFTG, DaFKD and FedICT for ROUNDS rounds")
     ap.add_argument("--json")
     args = ap.parse_args()
     results: dict = {
@@ -135,6 +182,14 @@ def main() -> None:
         fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
         print(f"| {name} | {device} | {precision} | {fmt(r.get('s_per_round'), '.2f')} | {r['train_samples_per_s']:.0f} | "
               f"{fmt(r.get('eval_s_per_round'), '.3f')} | {fmt(r.get('eval_images_per_s'), '.0f')} | {fmt(r.get('peak_gpu_mb'), '.0f')} |")
+    if args.server_methods:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        print(f"server-side methods on {device}", flush=True)
+        results["server_methods"] = server_methods(args.data_dir, args.server_methods, device)
+        print("\n| method | preset | s/round | server s/round | round 1 s | accuracy after the last round |")
+        print("|---|---|---|---|---|---|")
+        for label, r in results["server_methods"].items():
+            print(f"| {label} | {r['preset']} | {r['s_per_round']:.2f} | {r['server_s_per_round']:.2f} | {r['round1_s']:.2f} | {r['accuracy_last']:.2f} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

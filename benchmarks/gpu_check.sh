@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# Issue 29's checks of the CUDA path in one script, for a lent GPU machine with little time (RESULTS.md "The GPU path").
+# From the repository root, on a machine with CUDA and PyTorch:
+#   DATA=DIR_WITH_mnist/ OUT=results_dir bash benchmarks/gpu_check.sh
+# Stages, each with its own time limit so that one that hangs or fails does not cost the others:
+#   1. speed: benchmarks/bench_gpu.py (FedAvg on the FedLMD MNIST protocol and ResNet-18 on a CIFAR-10-sized stand-in,
+#      fp32 and bf16; FedFTG, DaFKD and FedICT rounds with their server seconds);
+#   2. benchmarks/profile_gpu_round.py: GPU busy share and the host's waits in one FedAvg round;
+#   3. kill and resume through the CLI on the GPU, compared with an uninterrupted run;
+#   4. the test suite with CUDA visible (tests/test_cuda.py runs only here).
+set -u
+DATA=${DATA:-../shared/data}
+OUT=${OUT:-gpu_out}
+DEVICE=${DEVICE:-cuda}  # cpu: try the script's plumbing on a machine without a GPU
+PY=${PY:-python3}
+STAGES=${STAGES:-"speed profile resume tests"}  # a subset reruns what a fix touched
+TESTS=${TESTS:-tests/}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD/benchmarks${PYTHONPATH:+:$PYTHONPATH}"
+stage() { echo "== $1 $(date +%T)"; }
+
+stage environment
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; nproc
+  $PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())"; } 2>&1 | tee "$OUT/env.txt"
+
+want() { [[ " $STAGES " == *" $1 "* ]]; }
+
+want speed && { stage speed
+timeout 150 $PY benchmarks/bench_gpu.py --data-dir "$DATA" --rounds 4 --server-methods 3 --json "$OUT/bench_gpu.json" > "$OUT/bench_gpu.txt" 2>&1
+echo "bench_gpu exit $?"; tail -n 14 "$OUT/bench_gpu.txt"; }
+
+want profile && { stage profile
+timeout 70 $PY benchmarks/profile_gpu_round.py --data-dir "$DATA" --json "$OUT/profile.json" > "$OUT/profile.txt" 2>&1
+echo "profile exit $?"; head -n 14 "$OUT/profile.txt"; grep -A8 "^synchronising" "$OUT/profile.txt"; }
+
+want resume && { stage "kill and resume"
+RUNS=$(mktemp -d)
+COMMON=(--dataset mnist --data-dir "$DATA" --clients 20 --clients-per-round 5 --epochs 1 --set run.device=$DEVICE --set run.checkpoint_every=1 --no-progress -q)
+timeout 60 $PY -m fedistill.cli run "${COMMON[@]}" --rounds 10 --out "$RUNS" --name straight > /dev/null 2>&1
+$PY -m fedistill.cli run "${COMMON[@]}" --rounds 10 --out "$RUNS" --name killed > /dev/null 2>&1 &
+pid=$!
+rounds_of() { cat "$RUNS/$1/metrics.jsonl" 2>/dev/null | wc -l; }
+for _ in $(seq 600); do [ "$(rounds_of killed)" -ge 3 ] && break; sleep 0.1; done
+kill -9 "$pid"; wait "$pid" 2>/dev/null
+echo "killed after $(rounds_of killed) rounds"
+timeout 60 $PY -m fedistill.cli run --resume "$RUNS/killed" --no-progress -q > /dev/null 2>&1
+$PY - "$RUNS" <<'EOF' | tee "$OUT/resume.txt"
+import json, sys, hashlib
+rows = lambda name: [json.loads(line) for line in open(f"{sys.argv[1]}/{name}/metrics.jsonl")]
+strip = lambda rs: [{k: v for k, v in r.items() if not k.endswith("seconds")} for r in rs]
+a, b = strip(rows("straight")), strip(rows("killed"))
+digest = lambda rs: hashlib.sha256(json.dumps(rs, sort_keys=True).encode()).hexdigest()[:16]
+print("rounds", [r["round"] for r in a], [r["round"] for r in b])
+print("accuracy", [r["test_accuracy"] for r in a], [r["test_accuracy"] for r in b])
+print("straight", digest(a), "killed+resumed", digest(b), "IDENTICAL" if a == b else "DIFFERENT")
+EOF
+}
+
+want tests && { stage tests
+timeout 180 $PY -m pytest -n 14 -p no:cacheprovider -rfEs $TESTS \
+  --ignore=tests/test_flower.py --ignore=tests/test_flower_safety.py --ignore=tests/test_flower_longrunning.py \
+  > "$OUT/tests.txt" 2>&1
+echo "pytest exit $?"; grep -E "passed|failed|error" "$OUT/tests.txt" | tail -n 3; grep -E "^(FAILED|ERROR)" "$OUT/tests.txt" | head -n 30; }
+stage done
