@@ -15,6 +15,7 @@ from fedistill.report.claims import (
     HOLDS,
     INCONCLUSIVE,
     chain_verdict,
+    claim_cells,
     evaluate_claims,
     link_verdict,
     paired_interval,
@@ -192,3 +193,18 @@ def test_run_values_of_each_metric():
     assert run_value(run, "mb") == 3.0 and run_value(run, "seconds") == 2.5
     run.diverged_after = 7
     assert run_value(run, "final") is None and run_value(run, "last5") is None and run_value(run, "mb") == 3.0
+
+
+def test_the_seeds_cell_counts_the_claimed_side_of_each_relation():
+    """An 'A < B' claim (FedICT's traffic) is met by the seeds where A is below B: '3/3 A ahead' there read as
+    the opposite of what the numbers say (issue 25's homogeneous FedICT run printed it for 3,013 MB vs 0.87)."""
+    mb = {("FedICT", 0): 3013.2, ("FedICT", 1): 3013.2, ("FedAvg", 0): 0.87, ("FedAvg", 1): 0.87,
+          ("Small", 0): 0.5, ("Small", 1): 0.9}  # fmt: skip
+    rows = evaluate_claims(
+        [parse_claim("FedICT < FedAvg"), parse_claim("Small < FedAvg"), parse_claim("FedICT > FedAvg")],
+        ["col"], {"col": "a column"}, [0, 1],
+        value=lambda c, m, s, metric: mb[(m, s)], available=lambda c, m: True, why_missing=lambda c, m, s: None,
+    )  # fmt: skip
+    cells = [claim_cells(row)["seeds"] for row in rows]
+    assert cells == ["2 (0/2 FedICT below)", "2 (1/2 Small below)", "2 (2/2 FedICT ahead)"]
+    assert rows[0]["verdict"] == DOES_NOT_HOLD and rows[2]["verdict"] == HOLDS

@@ -128,6 +128,7 @@ class Interval:
     low: float | None
     high: float | None
     a_wins: int  # seeds where the first method's value is above the second's
+    a_below: int = 0  # seeds where it is below (the claimed side of an 'A < B' link)
 
     def fmt(self, digits: int = 2) -> str:
         if self.mean is None:
@@ -143,15 +144,15 @@ def paired_interval(a: Sequence[float], b: Sequence[float]) -> Interval:
         raise ValueError(f"paired values: {len(a)} against {len(b)}")
     d = [x - y for x, y in zip(a, b)]
     n = len(d)
-    wins = sum(x > y for x, y in zip(a, b))
+    wins, below = sum(x > y for x, y in zip(a, b)), sum(x < y for x, y in zip(a, b))
     if n == 0:
         return Interval(0, None, None, None, None, 0)
     mean = statistics.fmean(d)
     if n < 2:
-        return Interval(n, mean, None, None, None, wins)
+        return Interval(n, mean, None, None, None, wins, below)
     std = statistics.stdev(d)
     half = t_quantile_975(n - 1) * std / math.sqrt(n)
-    return Interval(n, mean, std, mean - half, mean + half, wins)
+    return Interval(n, mean, std, mean - half, mean + half, wins, below)
 
 
 def link_verdict(relation: str, interval: Interval, margin: float | None = None) -> str:
@@ -239,6 +240,13 @@ def evaluate_claims(
     return rows
 
 
+def seeds_on_the_claimed_side(link: LinkResult) -> str:
+    """'2/3 A ahead' for 'A > B' (and '~'), '3/3 A below' for 'A < B': the seeds that agree with the claim's
+    direction (an 'A < B' claim on traffic is met by the seeds where A sends less)."""
+    iv = link.interval
+    return f"{iv.a_below}/{iv.n} {link.a} below" if link.relation == "<" else f"{iv.a_wins}/{iv.n} {link.a} ahead"
+
+
 def claim_cells(row: dict[str, Any]) -> dict[str, str]:
     """The printed cells of one row: the methods' mean ± std, each link's paired difference and interval,
     the paired seeds and the verdict (a chain's links joined by ';')."""
@@ -249,7 +257,7 @@ def claim_cells(row: dict[str, Any]) -> dict[str, str]:
         f"{link.a} - {link.b}: {link.interval.fmt()}" + (f" ({link.verdict})" if len(row["links"]) > 1 else "")
         for link in row["links"]
     )
-    seeds = "; ".join(f"{link.interval.n} ({link.interval.a_wins}/{link.interval.n} {link.a} ahead)" for link in row["links"])
+    seeds = "; ".join(f"{link.interval.n} ({seeds_on_the_claimed_side(link)})" for link in row["links"])
     left_out = sorted({entry for link in row["links"] for entry in link.left_out})
     verdict = row["verdict"] + (f" (left out: {'; '.join(left_out)})" if left_out else "")
     return {"values": values, "difference": diffs, "seeds": seeds, "verdict": verdict}
@@ -281,7 +289,7 @@ def claims_records(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
                 "a_values": {str(s): v for s, v in link.a_values.items()},
                 "b_values": {str(s): v for s, v in link.b_values.items()},
                 "n": link.interval.n, "mean_difference": link.interval.mean, "std_difference": link.interval.std,
-                "ci95_low": link.interval.low, "ci95_high": link.interval.high, "a_wins": link.interval.a_wins,
+                "ci95_low": link.interval.low, "ci95_high": link.interval.high, "a_wins": link.interval.a_wins, "a_below": link.interval.a_below,
                 "verdict": link.verdict, "left_out": link.left_out,
             }
             for link in row["links"]
