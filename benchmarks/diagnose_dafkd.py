@@ -3,7 +3,7 @@ before the distillation and of w after it, the spread of the generated distillat
 across the N samples, against the real images'), and how the importance-weighted teacher spreads them over
 the classes (share of the most frequent argmax class).
 
-    PYTHONPATH=src python benchmarks/diagnose_dafkd.py --rounds 8 [--set algorithm.profile=paper ...]
+    PYTHONPATH=src:benchmarks python benchmarks/diagnose_dafkd.py --rounds 8 [--set algorithm.profile=paper ...]
 
 Uses the digits config of the README (configs/digits_fedavg.yaml) with algorithm.name = dafkd unless --config
 names another; --set takes the same KEY=VALUE overrides as `fedistill run`. Prints one line per round and
@@ -13,7 +13,6 @@ writes them as JSON lines to --out when given.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 import torch
@@ -21,6 +20,8 @@ import torch
 from fedistill.config import build_config, parse_override, read_yaml
 from fedistill.simulation import Simulation
 from fedistill.runner import load_dataset_for
+
+from diagnose_refiner import watch_refiner  # the refine wrapper, the summary and the JSON lines
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -44,17 +45,14 @@ def main(argv: list[str] | None = None) -> int:
     real = sim.server_runtime.test_pipeline
     real_x = torch.cat([xb for xb, _ in real.test_batches(500)])
     real_std = float(real_x.std(dim=0).mean())
-    rows = []
-    original_refine = algorithm.refine
     real_labels = None
     if args.real_inputs:
         real_inputs, real_labels = sim.server_runtime.test_pipeline.clean_batch(torch.arange(args.real_inputs))
         algorithm.server_distill_inputs = lambda server, rnd: real_inputs
 
-    def refine(server, info, replies, cids):
-        before, _ = sim.server_runtime.evaluate_global()
-        row = {"round": info.round, "acc_average": before}
-        if algorithm.distils(info.round):
+    def before(server, info, replies, row):
+        row["refined"] = algorithm.distils(info.round)  # the summary counts the rounds with a distillation
+        if row["refined"]:
             x = algorithm.server_distill_inputs(server, info.round)
             target = algorithm.teacher_target(server, x, replies).exp()
             top = torch.bincount(target.argmax(dim=1), minlength=target.shape[1])
@@ -67,23 +65,8 @@ def main(argv: list[str] | None = None) -> int:
             )
             if real_labels is not None:
                 row["teacher_target_accuracy"] = 100.0 * float((target.argmax(dim=1) == real_labels).float().mean())
-        metrics = original_refine(server, info, replies, cids)
-        after, _ = sim.server_runtime.evaluate_global()
-        row["acc_after_refine"] = after
-        rows.append(row)
-        print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}), flush=True)
-        return metrics
 
-    algorithm.refine = refine
-    for rnd in range(1, args.rounds + 1):
-        sim.run_round(rnd)
-    steps = [r["acc_after_refine"] - r["acc_average"] for r in rows if "sample_pixel_std" in r]
-    if steps:
-        print(f"server step: mean {sum(steps) / len(steps):+.2f} points, raised accuracy in "
-              f"{sum(s > 0 for s in steps)} of {len(steps)} rounds")  # fmt: skip
-    if args.out:
-        with open(args.out, "w") as fh:
-            fh.writelines(json.dumps(r) + "\n" for r in rows)
+    watch_refiner(sim, args.rounds, before, lambda *unused: None, args.out)
     return 0
 
 

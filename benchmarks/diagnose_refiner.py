@@ -85,40 +85,57 @@ def main(argv: list[str] | None = None) -> int:
     overrides = ["run.progress=false", *args.set] + ([f"dataset.data_dir={args.data_dir}"] if args.data_dir else [])
     cfg = run_config(load_preset(args.preset), args.column, args.method, args.seed, args.rounds, overrides)
     sim = Simulation(cfg, load_dataset_for(cfg))
+    runtime = sim.server_runtime
+    ftg = fedftg_part(sim.algorithm)
+    before_weights: dict[str, torch.Tensor] = {}
+
+    def before(server, info, replies, row):
+        before_weights["w"] = get_flat(server.model)
+        row["teacher_mean_acc"], row["teacher_best_acc"] = ensemble_accuracies(
+            server.model, [r["weights"] for r in replies], runtime.test_pipeline.test_batches(500), server.device
+        )
+
+    def after(server, info, replies, row, metrics):
+        w = before_weights["w"]  # how far the refiner moved the weights, relative to their norm
+        row["refine_relative_change"] = float((get_flat(server.model) - w).norm() / w.norm())
+        if ftg is not None and "label_counts" in replies[0]:
+            counts = torch.stack([r["label_counts"].to(torch.int64) for r in replies])
+            row.update(generator_check(ftg, server, [r["weights"] for r in replies], counts))
+        row.update({k: v for k, v in metrics.items() if isinstance(v, float) and not k.endswith("seconds")})
+
+    watch_refiner(sim, args.rounds, before, after, args.out)
+    sim.close()
+    return 0
+
+
+def watch_refiner(sim, rounds: int, before, after, out: str | None) -> list[dict]:
+    """Run ``rounds`` rounds of ``sim`` with its algorithm's ``refine`` wrapped: the global model's accuracy
+    before and after it, plus what ``before(server, info, replies, row)`` and ``after(server, info, replies, row,
+    metrics)`` add to the round's row; one JSON line a round, a summary, and the rows as JSON lines in ``out``."""
     algorithm, runtime = sim.algorithm, sim.server_runtime
-    ftg = fedftg_part(algorithm)
     original_refine = algorithm.refine
     rows: list[dict] = []
 
     def refine(server, info, replies, cids):
         row = {"round": info.round, "acc_average": runtime.evaluate_global()[0]}
-        vectors = [r["weights"] for r in replies]
-        before = get_flat(server.model)
-        row["teacher_mean_acc"], row["teacher_best_acc"] = ensemble_accuracies(
-            server.model, vectors, runtime.test_pipeline.test_batches(500), server.device
-        )
+        before(server, info, replies, row)
         metrics = original_refine(server, info, replies, cids)
         row["acc_after_refine"] = runtime.evaluate_global()[0]
-        # how far the refiner moved the weights, relative to their norm
-        row["refine_relative_change"] = float((get_flat(server.model) - before).norm() / before.norm())
-        if ftg is not None and "label_counts" in replies[0]:
-            counts = torch.stack([r["label_counts"].to(torch.int64) for r in replies])
-            row.update(generator_check(ftg, server, vectors, counts))
-        row.update({k: v for k, v in metrics.items() if isinstance(v, float) and not k.endswith("seconds")})
+        after(server, info, replies, row, metrics)
         rows.append(row)
         print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}), flush=True)
         return metrics
 
     algorithm.refine = refine
-    for rnd in range(1, args.rounds + 1):
+    for rnd in range(1, rounds + 1):
         sim.run_round(rnd)
-    sim.close()
-    gains = [r["acc_after_refine"] - r["acc_average"] for r in rows]
-    print(f"server step: mean {sum(gains) / len(gains):+.2f} points, raised accuracy in {sum(g > 0 for g in gains)} of {len(gains)} rounds")
-    if args.out:
-        with open(args.out, "w") as fh:
+    gains = [r["acc_after_refine"] - r["acc_average"] for r in rows if r.get("refined", True)]
+    if gains:
+        print(f"server step: mean {sum(gains) / len(gains):+.2f} points, raised accuracy in {sum(g > 0 for g in gains)} of {len(gains)} rounds")
+    if out:
+        with open(out, "w") as fh:
             fh.writelines(json.dumps(r) + "\n" for r in rows)
-    return 0
+    return rows
 
 
 if __name__ == "__main__":
