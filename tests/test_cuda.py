@@ -123,3 +123,13 @@ def test_every_method_runs_two_rounds_on_the_gpu(name, tmp_path, capsys):
     rows = [json.loads(line) for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
     accuracy = rows[-1].get("personal_accuracy") if rows[-1].get("test_accuracy") is None else rows[-1]["test_accuracy"]
     assert len(rows) == 2 and accuracy is not None and 0.0 <= accuracy <= 100.0
+
+
+def test_building_a_run_leaves_the_cuda_generator_alone(digits):
+    """Model and generator initialisation seed their own CPU stream inside fork_rng(devices=[]), which restores the
+    CPU generator only: seeding through torch.manual_seed would also have reseeded CUDA's global generator."""
+    torch.cuda.manual_seed(1234)
+    expected = torch.rand(4, device="cuda")
+    torch.cuda.manual_seed(1234)
+    Simulation(small_config(rounds=1, **ON_GPU, **{"algorithm.name": "dafkd"}, **DAFKD_QUICK), digits).run_round(1)
+    assert torch.equal(torch.rand(4, device="cuda"), expected)

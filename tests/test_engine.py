@@ -114,3 +114,17 @@ def test_oversubscribed_workers_are_refused(make_config, digits, monkeypatch):
     sim = Simulation(make_config(**{"run.workers": 2, "run.threads": 2}), digits)
     with pytest.raises(ConfigError, match="exceed the 2 CPU cores"):
         sim.run()
+
+
+def test_building_and_running_never_reseeds_the_global_generators(make_config, digits, monkeypatch):
+    """Models, generators and DaFKD's discriminators are initialised from their own seeded CPU stream inside
+    fork_rng(devices=[]); torch.manual_seed there would also reseed CUDA's generator, which fork_rng does not
+    restore (tests/test_cuda.py checks the CUDA side on a GPU)."""
+    def refuse(seed):
+        raise AssertionError("torch.manual_seed reseeds every device's generator")
+
+    monkeypatch.setattr(torch, "manual_seed", refuse)
+    quick = {"algorithm.distill_samples": 64, "algorithm.distill_epochs": 1, "algorithm.generator_width": 16, "algorithm.noise_dim": 16}
+    for algorithm, extra in (("fedavg", {}), ("dafkd", quick), ("fedftg", {"algorithm.iterations": 1, "algorithm.generator_width": 16})):
+        history = Simulation(make_config(rounds=2, **{"algorithm.name": algorithm}, **extra), digits).run()  # DaFKD distils from round 2
+        assert len(history) == 2

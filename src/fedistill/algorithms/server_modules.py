@@ -32,7 +32,8 @@ class PersistentModule:
     def initial(self, server: ServerContext) -> nn.Module:
         """A new module with θ⁰ from its own stream (the global RNG is left untouched)."""
         with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(derive_seed(server.seed, self.seed_tag, 0))
+            # The CPU generator only: torch.manual_seed would also reseed CUDA's, which fork_rng(devices=[]) does not restore.
+            torch.default_generator.manual_seed(derive_seed(server.seed, self.seed_tag, 0))
             return self.build(server)
 
     def init_state(self, server: ServerContext) -> torch.Tensor:

@@ -32,7 +32,8 @@ def build_model_for(
     if kwargs is None:
         kwargs = cfg.model.kwargs if name == cfg.model_name() else {}
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(derive_seed(cfg.seed, *seed_coords))
+        # The CPU generator only: torch.manual_seed would also reseed CUDA's, which fork_rng(devices=[]) does not restore.
+        torch.default_generator.manual_seed(derive_seed(cfg.seed, *seed_coords))
         model = build_model(name, tuple(input_shape or dataset.input_shape), dataset.num_classes, **kwargs)
     model = model.to(cfg.run.device)
     if cfg.run.channels_last:
