@@ -109,7 +109,7 @@ def test_a_stopped_bench_continues_and_a_changed_cell_is_refused(tmp_path):
     for setting in ("iid", "lda"):
         assert rows(out, setting) == rows(fresh, setting) and len(rows(out, setting)) == 2  # resumed = uninterrupted
     changed = {**TINY["protocol"], "local": {**TINY["protocol"]["local"], "lr": 0.01}}
-    with pytest.raises(ConfigError, match="another configuration"):
+    with pytest.raises(ConfigError, match=r"^bench: .*another configuration \(the suite or --set changed\)"):
         bench(load_suite(str(_suite(tmp_path, methods=one, protocol=changed))), out, overrides=["run.threads=1"])
 
 

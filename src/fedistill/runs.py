@@ -33,15 +33,17 @@ def read_saved(run_path: Path) -> tuple[dict[str, Any], list[dict[str, Any]], di
     return read_run(run_path, require_metrics=False)
 
 
-def run_state(cfg, run_path: Path) -> str:
+def run_state(cfg, run_path: Path, command: str = "reproduce") -> str:
     """``done`` (finished with ``cfg.rounds`` rounds, or diverged), ``partial`` (to resume) or ``new``; a
-    directory holding another configuration is refused (a changed preset or --set must not mix runs)."""
+    directory holding another configuration is refused (a changed preset, suite or --set must not mix runs;
+    ``command`` names the one whose input changed)."""
     if not (run_path / "config.yaml").is_file():
         return "new"
     saved, rows, summary = read_saved(run_path)
     if comparable_config(saved) != comparable_config(cfg.to_dict()):
+        changed = "the suite" if command == "bench" else "the preset"
         raise ConfigError(
-            f"reproduce: {run_path} holds a run with another configuration (the preset or --set changed); "
+            f"{command}: {run_path} holds a run with another configuration ({changed} or --set changed); "
             "use another --out, or delete that directory"
         )
     if summary.get("status") == "diverged" or (summary.get("status") == "finished" and len(rows) >= cfg.rounds):
