@@ -404,6 +404,99 @@ def test_sigterm_stops_the_workers_notes_the_round_and_the_run_resumes(tmp_path)
     assert (run / "metrics.jsonl").read_text().count("\n") == 6
 
 
+def test_a_termination_inside_the_pools_bookkeeping_is_held_until_every_task_is_submitted():
+    """A SIGTERM that lands inside concurrent.futures' submit (its lock held, its wake-up pipe half-written) could
+    leave the pool's shutdown waiting forever; the handler holds it and it is raised once the submits are done."""
+    import concurrent.futures
+
+    from fedistill.cli import _raise_terminated, _Terminated
+    from fedistill.engine.executors import ProcessPoolExecutor
+    from fedistill.engine.interrupts import raise_or_hold, uninterrupted
+    from fedistill.protocol import Message
+
+    submitted = []
+
+    class Pool:
+        def submit(self, fn, *args):
+            submitted.append(args[0])
+            if len(submitted) == 1:
+                _raise_terminated(15, None)  # what the signal handler does, here mid-submit
+            done = concurrent.futures.Future()
+            done.set_result(({}, {}))
+            return done
+
+    executor = ProcessPoolExecutor.__new__(ProcessPoolExecutor)  # no workers needed: the pool is the fake above
+    executor._pool, executor._sizes = Pool(), [5, 9, 7]
+    with pytest.raises(_Terminated):
+        executor.run([(cid, None, Message({}), {}) for cid in range(3)])
+    assert sorted(submitted) == [0, 1, 2]  # every submit completed before the termination was raised
+    with pytest.raises(_Terminated):  # outside the pool's bookkeeping it is raised at once
+        raise_or_hold(_Terminated())
+    with pytest.raises(_Terminated):  # nested blocks hold it until the outermost ends
+        with uninterrupted():
+            with uninterrupted():
+                raise_or_hold(_Terminated())
+            submitted.append("inner block ended without raising")
+    assert submitted[-1] == "inner block ended without raising"
+
+
+def test_an_abandoned_pool_terminates_its_running_workers_instead_of_waiting_for_them():
+    """After an interrupt the round's results are thrown away: close(abandon=True) must not wait for a client that
+    is still training (a big one can take minutes); its worker is terminated."""
+    import concurrent.futures
+    import multiprocessing
+    import time
+
+    from fedistill.engine.executors import ProcessPoolExecutor
+
+    executor = ProcessPoolExecutor.__new__(ProcessPoolExecutor)
+    executor._pool = concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+    running = executor._pool.submit(time.sleep, 600)  # a client that would train for ten minutes
+    deadline = time.monotonic() + 60
+    while not executor._pool._processes:
+        assert time.monotonic() < deadline, "the worker did not start"
+        time.sleep(0.05)
+    worker = next(iter(executor._pool._processes.values()))
+    started = time.monotonic()
+    executor.close(abandon=True)
+    assert time.monotonic() - started < 30  # not the 600 s the task would take
+    assert not worker.is_alive()
+    assert running.done()
+
+
+def test_an_interrupted_run_abandons_its_executor(digits):
+    """Simulation.run closes the executor with abandon=True when a round is interrupted (once: the finally's
+    close finds it gone)."""
+    from conftest import small_config
+
+    from fedistill.simulation import Simulation
+
+    sim = Simulation(small_config(), digits)
+    closes = []
+    real_executor = sim.executor
+
+    class Recording:
+        def run(self, tasks):
+            return real_executor.run(tasks)
+
+        def evaluate(self, tasks):
+            return real_executor.evaluate(tasks)
+
+        def close(self, abandon=False):
+            closes.append(abandon)
+
+    sim._executor = Recording()
+
+    def interrupt(row):
+        if row["round"] == 2:
+            raise KeyboardInterrupt
+
+    sim.on_round = interrupt
+    with pytest.raises(KeyboardInterrupt):
+        sim.run()
+    assert closes == [True] and sim.state.round == 2
+
+
 def test_ctrl_c_before_a_run_directory_exists_says_there_is_nothing_to_continue(tmp_path, capsys, monkeypatch):
     import fedistill.runner as runner
 

@@ -370,7 +370,9 @@ class _Terminated(KeyboardInterrupt):
 
 
 def _raise_terminated(signum: int, frame: Any) -> None:
-    raise _Terminated()
+    from .engine.interrupts import raise_or_hold
+
+    raise_or_hold(_Terminated())  # held while the worker pool's bookkeeping runs (engine/interrupts.py)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

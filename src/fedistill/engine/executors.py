@@ -19,6 +19,7 @@ import torch
 
 from ..errors import ConfigError
 from ..protocol import Message, RoundInfo
+from .interrupts import uninterrupted
 
 Task = tuple[int, RoundInfo, Message, dict[str, Any]]  # (client id, round info, broadcast, client state)
 Result = tuple[Message, dict[str, Any]]  # (reply, updated client state)
@@ -59,7 +60,7 @@ class SequentialExecutor:
         """Each client's assembled personalised model on its test split (the states are read, not changed)."""
         return [self.client_runtime.evaluate_assembled(cid, info, msg, state) for cid, info, msg, state in tasks]
 
-    def close(self) -> None:
+    def close(self, abandon: bool = False) -> None:
         pass
 
 
@@ -141,7 +142,8 @@ class ProcessPoolExecutor:
         # Largest clients first (LPT scheduling): under label skew client sizes differ by 50x, and
         # submitting in id order left one worker idle while the other trained the big client.
         order = sorted(range(len(tasks)), key=lambda i: -self._sizes[tasks[i][0]])
-        futures = {i: self._pool.submit(_run_task, tasks[i][0], tasks[i][1], dict(tasks[i][2]), tasks[i][3]) for i in order}
+        with uninterrupted():
+            futures = {i: self._pool.submit(_run_task, tasks[i][0], tasks[i][1], dict(tasks[i][2]), tasks[i][3]) for i in order}
         out = []
         for i in range(len(tasks)):
             reply, state = futures[i].result()
@@ -149,11 +151,24 @@ class ProcessPoolExecutor:
         return out
 
     def evaluate(self, tasks: Sequence[Task]) -> list[Message]:
-        futures = [self._pool.submit(_evaluate_task, cid, info, dict(msg), state) for cid, info, msg, state in tasks]
+        with uninterrupted():
+            futures = [self._pool.submit(_evaluate_task, cid, info, dict(msg), state) for cid, info, msg, state in tasks]
         return [Message(f.result()) for f in futures]
 
-    def close(self) -> None:
-        self._pool.shutdown(wait=True, cancel_futures=True)
+    def close(self, abandon: bool = False) -> None:
+        """Stop the workers. ``abandon``: the round was interrupted and its results are thrown away, so the
+        running clients are not waited for (a big client can take minutes); the workers are terminated."""
+        if not abandon:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            return
+        # CPython's record of the pool's worker processes (pid -> Process), read before shutdown clears it.
+        workers = list((getattr(self._pool, "_processes", None) or {}).values())
+        with uninterrupted():
+            self._pool.shutdown(wait=False, cancel_futures=True)
+        for process in workers:
+            process.terminate()
+        for process in workers:
+            process.join(timeout=10)
 
 
 # torch's own default (the physical cores it found), taken before anything in this process changes it.

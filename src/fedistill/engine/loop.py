@@ -74,11 +74,12 @@ class RoundLoop:
             self._executor = make_executor(self.cfg, self.dataset, self.federation, self.client_runtime, runtime_factory)
         return self._executor
 
-    def close(self) -> None:
-        """Stop worker processes (if any). Safe to call more than once."""
+    def close(self, abandon: bool = False) -> None:
+        """Stop worker processes (if any). Safe to call more than once. ``abandon``: the round in progress was
+        interrupted, so its running clients are stopped rather than waited for."""
         if self._executor is not None:
-            self._executor.close()
-            self._executor = None
+            executor, self._executor = self._executor, None
+            executor.close(abandon=abandon)
 
     # The server's pieces, under the names the rest of the code and the tests use.
     @property
@@ -148,6 +149,9 @@ class RoundLoop:
                 row = self.run_round(rnd)
                 if self.on_round:
                     self.on_round(row)
+        except KeyboardInterrupt:
+            self.close(abandon=True)
+            raise
         finally:
             self.close()
         return self.state.history
