@@ -165,10 +165,34 @@ class ProcessPoolExecutor:
         workers = list((getattr(self._pool, "_processes", None) or {}).values())
         with uninterrupted():
             self._pool.shutdown(wait=False, cancel_futures=True)
+        _quiet_resource_sharer_resets()
         for process in workers:
             process.terminate()
         for process in workers:
             process.join(timeout=10)
+
+
+def _quiet_resource_sharer_resets() -> None:
+    """A worker terminated while it fetched a task's shared tensors leaves multiprocessing's resource-sharer
+    thread (which hands tensor storage to workers) with a reset connection, which it reports through
+    sys.excepthook as a traceback. After an abandoned round that is expected: drop those reports, and only those."""
+    import sys
+
+    previous = sys.excepthook
+    if getattr(previous, "_fedistill_quiet_resets", False):
+        return
+
+    def hook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
+        frames, step = [], tb
+        while step is not None:
+            frames.append(step.tb_frame.f_code.co_filename)
+            step = step.tb_next
+        if issubclass(kind, ConnectionError) and any(f.endswith(os.path.join("multiprocessing", "resource_sharer.py")) for f in frames):
+            return
+        previous(kind, value, tb)
+
+    hook._fedistill_quiet_resets = True  # type: ignore[attr-defined]
+    sys.excepthook = hook
 
 
 # torch's own default (the physical cores it found), taken before anything in this process changes it.
