@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Any, Sequence
@@ -408,6 +409,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             hint = f"run the same fedistill {args.command} command again to continue (finished runs are kept, the interrupted one resumes)"
         print(f"{what}: {hint}", file=sys.stderr)
         return 143 if terminated else 130
+    except BrokenPipeError:
+        # The reader of our output went away (`fedistill bench SUITE --cells | head`): not an error of ours.
+        # Point stdout at /dev/null so the interpreter's final flush does not fail again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
     except OSError as exc:
         # A file the command had to write or read failed (a full disk, a vanished directory, no permission).
         if args.verbose > 1:
