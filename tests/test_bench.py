@@ -48,8 +48,16 @@ def _finals(cell_dir: Path) -> float:
     return rows[-1]["test_accuracy"]
 
 
+CLAIMS = [
+    {"claim": "FedProx mu=0 ~ FedAvg", "margin": 0.5, "paper": "an equivalence of the cards"},
+    {"claim": "FedAvg > FedProx mu=0", "columns": ["lda"]},
+    {"claim": "FedProx mu=0 ~ FedAvg", "metric": "mb", "margin": 0.001},
+    {"claim": "FedAvg > pFedMe momentum", "columns": ["iid"]},
+]
+
+
 def test_bench_runs_every_cell_and_ranks_the_methods(tmp_path, capsys):
-    suite = load_suite(str(_suite(tmp_path)))
+    suite = load_suite(str(_suite(tmp_path, claims=CLAIMS)))
     rows = bench(suite, tmp_path / "out", overrides=["run.threads=1"])
     root = tmp_path / "out" / "tiny-bench"
     for setting in ("iid", "lda"):
@@ -71,12 +79,29 @@ def test_bench_runs_every_cell_and_ranks_the_methods(tmp_path, capsys):
     with open(root / "leaderboard.csv") as fh:
         assert len(list(csv.DictReader(fh))) == 8
     page = (root / "leaderboard.html").read_text()
-    assert page.count("<table>") == 2 and page.count("data:image/png;base64,") == 2  # self-contained
+    assert page.count("<table>") == 3 and page.count("data:image/png;base64,") == 2  # self-contained
     assert "http" not in page.replace("http-equiv", "")  # nothing to fetch
     assert "<td class='m'>FedAvg</td>" in page and "n/a: local.momentum" in page
     assert (root / "leaderboard_iid.png").stat().st_size > 20_000
     out = capsys.readouterr().out
     assert "cell 0 iid / FedAvg / seed 0: final" in out and "ETA" in out
+    # the suite's claims, tested on its cells beside the tables: FedProx with mu 0 is FedAvg on every seed, so the
+    # paired differences are exactly 0 (inside any margin, never on one side); an n/a method's claim is not run
+    claims = json.loads((root / "claims.json").read_text())
+    by = {(c["claim"], c["metric"], c["column"]): c for c in claims}
+    assert len(claims) == 2 + 1 + 2 + 1
+    for setting in ("iid", "lda"):
+        same = by[("FedProx mu=0 ~ FedAvg", "final", setting)]
+        finals = [_finals(root / setting / "FedAvg" / f"seed{s}") for s in (0, 1)]
+        assert same["verdict"] == "holds" and same["means"]["FedAvg"]["mean"] == pytest.approx(statistics.fmean(finals))
+        assert same["links"][0]["a_values"] == same["links"][0]["b_values"] and same["links"][0]["n"] == 2
+        assert by[("FedProx mu=0 ~ FedAvg", "mb", setting)]["verdict"] == "holds"
+    assert by[("FedAvg > FedProx mu=0", "final", "lda")]["verdict"] == "inconclusive"
+    not_run = by[("FedAvg > pFedMe momentum", "final", "iid")]
+    assert not_run["verdict"] == "not run" and "pFedMe momentum on iid" in not_run["why"]
+    assert "## The papers' claims on this suite" in table and "| FedAvg > FedProx mu=0 | digits LDA 0.3 |" in table
+    assert "<h2 id='claims'>" in page and "<b>holds</b>" in page
+    assert "claims (paired over seeds" in out and "beside the tables in leaderboard.md" in out
 
 
 def test_one_cell_at_a_time_then_the_rest_reuses_it(tmp_path, capsys):
@@ -131,6 +156,9 @@ def test_bad_suites_are_one_clear_error(tmp_path):
         ({"methods": {"FedAvg": {"per_setting": {"cifar": {}}}}}, "unknown settings"),
         ({"protocol": "fedavg"}, "protocol"),
         ({"extra": 1}, "extra"),
+        ({"claims": [{"claim": "FedAvg > FedNope"}]}, "claim 'FedAvg > FedNope' names methods FedNope the suite does not have"),
+        ({"claims": [{"claim": "FedAvg > FedProx mu=0", "columns": ["cifar"]}]}, "names settings cifar"),
+        ({"claims": [{"claim": "FedAvg ~ FedProx mu=0"}]}, "'~' needs a positive margin"),
     ]:
         with pytest.raises(ConfigError, match=message):
             load_suite(str(_suite(tmp_path, **changes)))

@@ -21,7 +21,6 @@ the suite's target, MB per round and seconds per round.
 
 from __future__ import annotations
 
-import csv
 import json
 import os
 import statistics
@@ -33,10 +32,12 @@ from typing import Any
 from pydantic import Field
 
 from .errors import ConfigError
-from .report.groups import stat
-from .reproduce import ColumnSpec, StrictModel, method_dir_name, read_model_file
+from .bench_results import FLOPS_FILE, leaderboard_rows, suite_claim_rows, write_leaderboard
+from .reproduce import ClaimSpec, ColumnSpec, StrictModel, method_dir_name, read_model_file
 
-__all__ = ["Suite", "Cell", "load_suite", "available_suites", "suite_cells", "bench", "leaderboard_rows", "write_leaderboard"]
+__all__ = [
+    "Suite", "Cell", "load_suite", "available_suites", "suite_cells", "bench", "leaderboard_rows", "suite_claim_rows", "write_leaderboard",
+]  # fmt: skip
 
 SUITE_DIR = "configs/bench"
 NOT_APPLICABLE = "not_applicable.txt"  # in a cell's directory: why the method cannot run this setting
@@ -63,6 +64,14 @@ class Suite(StrictModel):
     seeds: list[int] = Field(default_factory=lambda: [0, 1, 2])
     target_accuracy: float | None = Field(None, gt=0, le=100)
     notes: list[str] = Field(default_factory=list)
+    # The papers' comparative claims to test on the suite's cells (methods by their suite names, columns by
+    # setting), as in a reproduce preset: the leaderboard says beside its tables whether each holds here.
+    claims: list[ClaimSpec] = Field(default_factory=list)
+
+    def parsed_claims(self):
+        from .report.claims import parse_claim
+
+        return [parse_claim(c.claim, c.metric, c.margin, c.columns, c.paper, c.note) for c in self.claims]
 
     def method_specs(self) -> dict[str, BenchMethod]:
         if self.methods is not None:
@@ -146,6 +155,20 @@ def load_suite(name_or_path: str) -> Suite:
         unknown = sorted(set(spec.per_setting) - set(suite.settings))
         if unknown:
             raise ConfigError(f"bench: suite {path}: method {method} names unknown settings {unknown}")
+    try:
+        claims = suite.parsed_claims()
+    except ConfigError as exc:
+        raise ConfigError(f"bench: suite {path}: {exc}") from None
+    methods = suite.method_specs()
+    for claim in claims:
+        unknown = [m for m in claim.methods if m not in methods]
+        unknown_settings = [c for c in claim.columns or () if c not in suite.settings]
+        if unknown or unknown_settings:
+            what = f"methods {', '.join(unknown)}" if unknown else f"settings {', '.join(unknown_settings)}"
+            raise ConfigError(
+                f"bench: suite {path}: claim {claim.text!r} names {what} the suite does not have "
+                f"(methods: {', '.join(methods)}; settings: {', '.join(suite.settings)})"
+            )
     return suite
 
 
@@ -221,7 +244,6 @@ def _threads_per_cell(jobs: int) -> int:
     return max(1, (os.cpu_count() or 1) // jobs)
 
 
-FLOPS_FILE = "flops.json"  # in a cell's directory: the FLOPs of one round, counted once per (setting, method)
 
 
 def count_round_flops(config_tree: dict[str, Any]) -> dict[str, Any]:
@@ -366,8 +388,13 @@ def bench(
                 finished(futures[future], seconds, i)
     peak = measure_bf16_peak(cores)
     rows = leaderboard_rows(suite, cells, peak)
-    write_leaderboard(suite, rows, root, cells)
+    claims = suite_claim_rows(suite, cells)
+    write_leaderboard(suite, rows, root, cells, claims)
     console.print(f"leaderboard: {root / 'leaderboard.md'} (and .csv, .json, .html) after {_duration(time.perf_counter() - started)}")
+    if claims:
+        from .report.claims import print_claims
+
+        print_claims(console, claims, root, where="beside the tables in leaderboard.md and .html")
     return rows
 
 
@@ -437,93 +464,6 @@ def _cell_result(cell: Cell):
     if summary.get("status") not in ("finished", "diverged"):
         return None
     return run_result(cell.config, cell.setting, cell.method, cell.seed, rows[: cell.config.rounds], summary.get("status") == "diverged")
-
-
-def _flops(cells: list[Cell]) -> float | None:
-    for cell in cells:
-        path = cell.path / FLOPS_FILE
-        if path.is_file():
-            try:
-                return json.loads(path.read_text()).get("flops_per_round")
-            except (OSError, ValueError):
-                return None
-    return None
-
-
-def leaderboard_rows(suite: Suite, cells: list[Cell], peak_gflops: float | None = None) -> list[dict[str, Any]]:
-    """Per setting, one row per method, ranked by final accuracy (mean over the finished seeds); n/a and
-    unfinished methods last. ``peak_gflops``: this machine's bf16 matmul rate on all its cores, measured by
-    this bench, against which each method's achieved rate (FLOPs of a round / seconds per round) is set."""
-    rows = []
-    for setting, spec in suite.settings.items():
-        part = []
-        for method in suite.method_specs():
-            mine = [c for c in cells if c.setting == setting and c.method == method]
-            row: dict[str, Any] = {"setting": setting, "label": spec.label, "method": method, "seeds": len(mine)}
-            if any(c.state() == "n/a" for c in mine):
-                part.append({**row, "status": "n/a", "why": next(c.why_not for c in mine if c.why_not)})
-                continue
-            results = [r for r in (c.result() for c in mine) if r is not None]
-            ok = [r for r in results if r.diverged_after is None]
-            final, best = stat(r.final for r in ok), stat(r.best for r in ok)
-            reach = []
-            if suite.target_accuracy is not None:
-                reach = [r.first_round_reaching(suite.target_accuracy) for r in ok]
-            reached = [x for x in reach if x is not None]
-            row.update(
-                metric=mine[0].config.accuracy_metric(),
-                status="done" if len(results) == len(mine) else f"{len(results)}/{len(mine)} seeds",
-                finished=len(results), diverged=sum(r.diverged_after is not None for r in results),
-                final_accuracy=final["mean"], final_accuracy_std=final["std"], best_accuracy=best["mean"], best_accuracy_std=best["std"],
-                rounds_to_target=statistics.fmean(reached) if reached else None, reached_target=f"{len(reached)}/{len(reach)}" if reach else None,
-                mb_per_round=stat(r.bytes_per_round / 1e6 for r in results if r.bytes_per_round is not None)["mean"],
-                seconds_per_round=stat(r.seconds_per_round for r in results if r.seconds_per_round)["mean"],
-                why=None,
-            )  # fmt: skip
-            flops = _flops(mine)
-            achieved = flops / row["seconds_per_round"] / 1e9 if flops and row["seconds_per_round"] else None
-            row.update(
-                gflops_per_round=flops / 1e9 if flops else None, achieved_gflops_per_s=achieved,
-                percent_of_bf16_peak=100 * achieved / peak_gflops if achieved and peak_gflops else None,
-                bf16_peak_gflops_per_s=peak_gflops,
-            )  # fmt: skip
-            part.append(row)
-        ranked = sorted(
-            (r for r in part if r.get("final_accuracy") is not None), key=lambda r: (-r["final_accuracy"], r["method"])
-        )
-        for rank, row in enumerate(ranked, 1):
-            row["rank"] = rank
-        rows += ranked + [r for r in part if r.get("final_accuracy") is None]
-    return rows
-
-
-def write_leaderboard(suite: Suite, rows: list[dict[str, Any]], root: Path, cells: list[Cell] | None = None) -> None:
-    """leaderboard.md, .csv, .json and, given the cells (for the curves), one figure per setting and the
-    self-contained leaderboard.html (report/leaderboard.py)."""
-    from .report.leaderboard import leaderboard_markdown
-
-    root.mkdir(parents=True, exist_ok=True)
-    if cells is not None:
-        from .report.leaderboard import plot_setting, write_html
-
-        figures = {}
-        for setting, spec in suite.settings.items():
-            curves: dict[str, list[list[tuple[int, float]]]] = {}
-            for cell in (c for c in cells if c.setting == setting):
-                result = cell.result()
-                if result is not None and result.diverged_after is None and result.accuracies:
-                    curves.setdefault(cell.method, []).append(result.accuracies)
-            part = [r for r in rows if r["setting"] == setting]
-            figures[setting] = plot_setting(spec.label, part, curves, root / f"leaderboard_{method_dir_name(setting)}.png")
-        labels = {setting: spec.label for setting, spec in suite.settings.items()}
-        write_html(suite.title, suite.description, suite.all_notes(), labels, rows, figures, suite.target_accuracy, root / "leaderboard.html")
-    (root / "leaderboard.md").write_text(leaderboard_markdown(suite, rows))
-    (root / "leaderboard.json").write_text(json.dumps(rows, indent=1))
-    fields = list(dict.fromkeys(k for r in rows for k in r))
-    with open(root / "leaderboard.csv", "w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=fields)
-        writer.writeheader()
-        writer.writerows(rows)
 
 
 def list_cells(suite: Suite, out_dir: Path, overrides: list[str] | None = None) -> list[Cell]:

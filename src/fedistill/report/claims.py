@@ -200,13 +200,15 @@ def evaluate_claims(
     value: Callable[[str, str, int, str], float | None],
     available: Callable[[str, str], bool],
     why_missing: Callable[[str, str, int], str | None] = lambda c, m, s: None,
+    not_run: str = "not run in this invocation",
 ) -> list[dict[str, Any]]:
     """One row per (claim, column): the links' paired differences and the chain's verdict.
 
     ``value(column, method, seed, metric)`` is a run's value (None when it has none, e.g. diverged);
     ``available(column, method)`` says whether the method ran on that column in this invocation (a claim
     whose methods were not run is reported as not run, never guessed); ``why_missing`` says why a value
-    is None (shown in the row)."""
+    is None (shown in the row); ``not_run`` says why the methods a claim needs have no values (the wording of
+    the command that evaluates it)."""
     rows: list[dict[str, Any]] = []
     for claim in claims:
         unknown_columns = [c for c in claim.columns or () if c not in labels]
@@ -220,7 +222,7 @@ def evaluate_claims(
             missing = [m for m in claim.methods if column not in columns or not available(column, m)]
             if missing:
                 rows.append({**base, "verdict": "not run", "links": [], "means": {},
-                             "why": f"not run in this invocation: {', '.join(missing)} on {column}"})  # fmt: skip
+                             "why": f"{not_run}: {', '.join(missing)} on {column}"})  # fmt: skip
                 continue
             values = {m: {s: value(column, m, s, claim.metric) for s in seeds} for m in claim.methods}
             means = {m: stat(values[m].values()) for m in claim.methods}
@@ -332,8 +334,8 @@ def claim_rows(preset, results: dict[tuple[str, str, int], Any], columns: list[s
     )  # fmt: skip
 
 
-def print_claims(console, claims: list[dict[str, Any]], root: Path) -> None:
-    """The verdict table after the comparison table."""
+def print_claims(console, claims: list[dict[str, Any]], root: Path, where: str = "at the top of table.md") -> None:
+    """The verdict table after the comparison table (``where``: the other file that holds it)."""
     if not claims:
         return
     from ..runner import print_rows
@@ -344,4 +346,4 @@ def print_claims(console, claims: list[dict[str, Any]], root: Path) -> None:
         metric = "" if row["metric"] == "final" else f" ({METRICS[row['metric']][0]})"
         rows[f"{row['claim']}{metric} [{row['setting']}]"] = [cells["values"], cells["difference"], cells["seeds"], cells["verdict"]]
     print_rows(console, "claims (paired over seeds, 95 % t-interval)", ("claim [setting]", "mean ± std", "paired difference [95 %]", "seeds", "verdict"), rows)
-    console.print(f"claims: {root / 'claims.json'} (and at the top of table.md)")
+    console.print(f"claims: {root / 'claims.json'} (and {where})")

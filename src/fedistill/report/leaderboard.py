@@ -59,8 +59,9 @@ def _cell(value: Any, spec: str = ".2f") -> str:
 
 
 def write_html(title: str, description: str, notes: list[str], settings: dict[str, str], rows: list[dict[str, Any]],
-               figures: dict[str, Path], target: float | None, path: Path) -> Path:  # fmt: skip
-    """leaderboard.html: every setting's ranked table and its figure, with nothing fetched from anywhere."""
+               figures: dict[str, Path], target: float | None, path: Path, claims: list[dict[str, Any]] | None = None) -> Path:  # fmt: skip
+    """leaderboard.html: every setting's ranked table and its figure, and the papers' claims tested on the
+    suite (report/claims.py rows), with nothing fetched from anywhere."""
     target_head = f"rounds to {target:g} %" if target is not None else "rounds to target"
     parts = [
         "<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>",
@@ -98,6 +99,22 @@ def write_html(title: str, description: str, notes: list[str], settings: dict[st
         if figure is not None and figure.is_file():
             data = base64.b64encode(figure.read_bytes()).decode("ascii")
             parts.append(f"<img alt='{html.escape(label)}: curves and Pareto views' src='data:image/png;base64,{data}'>")
+    if claims:
+        from .claims import METRICS, claim_cells
+
+        parts.append(f"<h2 id='claims'>{CLAIMS_HEADING}</h2><p>{html.escape(CLAIMS_INTRO)}</p>")
+        parts.append(
+            "<table><tr><th class='m'>claim</th><th class='m'>setting</th><th class='m'>metric</th><th class='m'>mean ± std</th>"
+            "<th class='m'>paired difference [95 %]</th><th class='m'>seeds</th><th class='m'>verdict</th></tr>"
+        )
+        for row in claims:
+            cells = claim_cells(row)
+            parts.append(
+                "<tr>" + "".join(f"<td class='m'>{html.escape(str(v))}</td>" for v in (
+                    row["claim"], row["setting"], METRICS[row["metric"]][0], cells["values"], cells["difference"], cells["seeds"]
+                )) + f"<td class='m'><b>{html.escape(cells['verdict'])}</b></td></tr>"
+            )  # fmt: skip
+        parts.append("</table>")
     parts.append("</body></html>")
     path.write_text("\n".join(parts), encoding="utf-8")
     return path
@@ -107,8 +124,17 @@ def _num(value: float | None, spec: str) -> str:
     return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
 
 
-def leaderboard_markdown(suite, rows: list[dict[str, Any]]) -> str:
-    """leaderboard.md: per setting, the ranked table (fedistill.bench.Suite ``suite``)."""
+CLAIMS_HEADING = "The papers' claims on this suite"
+CLAIMS_INTRO = (
+    "Each claim is tested on this suite's cells: the paired difference over seeds with its 95 % t-interval; holds "
+    "when the interval is on the claimed side (inside the margin for ~), does not hold when it is on the other, inconclusive otherwise. The "
+    "claims table in the README tests the same claims on each paper's own (reduced) protocol."
+)
+
+
+def leaderboard_markdown(suite, rows: list[dict[str, Any]], claims: list[dict[str, Any]] | None = None) -> str:
+    """leaderboard.md: per setting, the ranked table (fedistill.bench.Suite ``suite``), then the verdicts of
+    the suite's claims (report/claims.py rows)."""
     lines = [f"# {suite.title}", ""]
     if suite.description:
         lines += [suite.description.strip(), ""]
@@ -141,4 +167,8 @@ def leaderboard_markdown(suite, rows: list[dict[str, Any]]) -> str:
                 f"{_num(r['seconds_per_round'], '.2f')} | {_num(r['gflops_per_round'], '.2f')} | {_num(r['percent_of_bf16_peak'], '.1f')} | {seeds} |"
             )
         lines.append("")
+    if claims:
+        from .claims import claims_markdown
+
+        lines += [f"## {CLAIMS_HEADING}", "", CLAIMS_INTRO, "", claims_markdown(claims)]
     return "\n".join(lines)

@@ -1,0 +1,137 @@
+"""The numbers of a ``fedistill bench`` leaderboard (issue 28), computed from a suite's cells.
+
+Per setting, the methods ranked by final accuracy (mean ± std over the seeds that finished), with best accuracy,
+rounds to the suite's target, MB and seconds per round, FLOPs per round and the achieved rate against this
+machine's bf16 peak; and the suite's claims tested on the same cells (report/claims.py). ``suite`` is a
+fedistill.bench.Suite and ``cells`` its fedistill.bench.Cell list (typed Any here: this module is below bench).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import statistics
+from typing import Any
+from pathlib import Path
+
+from .report.groups import stat
+from .reproduce import method_dir_name
+
+__all__ = ["FLOPS_FILE", "leaderboard_rows", "suite_claim_rows", "write_leaderboard"]
+
+FLOPS_FILE = "flops.json"  # in a cell's directory: the FLOPs of one round, counted once per (setting, method)
+
+
+def _flops(cells: list[Any]) -> float | None:
+    for cell in cells:
+        path = cell.path / FLOPS_FILE
+        if path.is_file():
+            try:
+                return json.loads(path.read_text()).get("flops_per_round")
+            except (OSError, ValueError):
+                return None
+    return None
+
+
+def leaderboard_rows(suite: Any, cells: list[Any], peak_gflops: float | None = None) -> list[dict[str, Any]]:
+    """Per setting, one row per method, ranked by final accuracy (mean over the finished seeds); n/a and
+    unfinished methods last. ``peak_gflops``: this machine's bf16 matmul rate on all its cores, measured by
+    this bench, against which each method's achieved rate (FLOPs of a round / seconds per round) is set."""
+    rows = []
+    for setting, spec in suite.settings.items():
+        part = []
+        for method in suite.method_specs():
+            mine = [c for c in cells if c.setting == setting and c.method == method]
+            row: dict[str, Any] = {"setting": setting, "label": spec.label, "method": method, "seeds": len(mine)}
+            if any(c.state() == "n/a" for c in mine):
+                part.append({**row, "status": "n/a", "why": next(c.why_not for c in mine if c.why_not)})
+                continue
+            results = [r for r in (c.result() for c in mine) if r is not None]
+            ok = [r for r in results if r.diverged_after is None]
+            final, best = stat(r.final for r in ok), stat(r.best for r in ok)
+            reach = []
+            if suite.target_accuracy is not None:
+                reach = [r.first_round_reaching(suite.target_accuracy) for r in ok]
+            reached = [x for x in reach if x is not None]
+            row.update(
+                metric=mine[0].config.accuracy_metric(),
+                status="done" if len(results) == len(mine) else f"{len(results)}/{len(mine)} seeds",
+                finished=len(results), diverged=sum(r.diverged_after is not None for r in results),
+                final_accuracy=final["mean"], final_accuracy_std=final["std"], best_accuracy=best["mean"], best_accuracy_std=best["std"],
+                rounds_to_target=statistics.fmean(reached) if reached else None, reached_target=f"{len(reached)}/{len(reach)}" if reach else None,
+                mb_per_round=stat(r.bytes_per_round / 1e6 for r in results if r.bytes_per_round is not None)["mean"],
+                seconds_per_round=stat(r.seconds_per_round for r in results if r.seconds_per_round)["mean"],
+                why=None,
+            )  # fmt: skip
+            flops = _flops(mine)
+            achieved = flops / row["seconds_per_round"] / 1e9 if flops and row["seconds_per_round"] else None
+            row.update(
+                gflops_per_round=flops / 1e9 if flops else None, achieved_gflops_per_s=achieved,
+                percent_of_bf16_peak=100 * achieved / peak_gflops if achieved and peak_gflops else None,
+                bf16_peak_gflops_per_s=peak_gflops,
+            )  # fmt: skip
+            part.append(row)
+        ranked = sorted(
+            (r for r in part if r.get("final_accuracy") is not None), key=lambda r: (-r["final_accuracy"], r["method"])
+        )
+        for rank, row in enumerate(ranked, 1):
+            row["rank"] = rank
+        rows += ranked + [r for r in part if r.get("final_accuracy") is None]
+    return rows
+
+
+def suite_claim_rows(suite: Any, cells: list[Any]) -> list[dict[str, Any]]:
+    """The suite's claims evaluated on its finished cells (report/claims.py: paired differences over seeds, 95 %
+    intervals, verdicts); a claim whose methods have unfinished or n/a cells on a setting is listed as not run."""
+    from .report.claims import evaluate_claims, run_value
+
+    by_key = {(c.setting, c.method, c.seed): c for c in cells}
+
+    def why(setting: str, method: str, seed: int) -> str | None:
+        result = by_key[(setting, method, seed)].result()
+        return None if result is None or result.diverged_after is None else f"diverged after round {result.diverged_after}"
+
+    return evaluate_claims(
+        suite.parsed_claims(), list(suite.settings), {s: spec.label for s, spec in suite.settings.items()}, suite.seeds,
+        value=lambda c, m, s, metric: run_value(by_key[(c, m, s)].result(), metric),
+        available=lambda c, m: all(by_key[(c, m, s)].state() != "n/a" and by_key[(c, m, s)].result() is not None for s in suite.seeds),
+        why_missing=why,
+        not_run="not every seed of the suite has finished (or the method is n/a)",
+    )  # fmt: skip
+
+
+def write_leaderboard(
+    suite: Any, rows: list[dict[str, Any]], root: Path, cells: list[Any] | None = None, claims: list[dict[str, Any]] | None = None
+) -> None:
+    """leaderboard.md, .csv, .json and, given the cells (for the curves), one figure per setting and the
+    self-contained leaderboard.html (report/leaderboard.py); given the suite's evaluated claims, their verdicts
+    beside the tables (and claims.json)."""
+    from .report.leaderboard import leaderboard_markdown
+
+    root.mkdir(parents=True, exist_ok=True)
+    if cells is not None:
+        from .report.leaderboard import plot_setting, write_html
+
+        figures = {}
+        for setting, spec in suite.settings.items():
+            curves: dict[str, list[list[tuple[int, float]]]] = {}
+            for cell in (c for c in cells if c.setting == setting):
+                result = cell.result()
+                if result is not None and result.diverged_after is None and result.accuracies:
+                    curves.setdefault(cell.method, []).append(result.accuracies)
+            part = [r for r in rows if r["setting"] == setting]
+            figures[setting] = plot_setting(spec.label, part, curves, root / f"leaderboard_{method_dir_name(setting)}.png")
+        labels = {setting: spec.label for setting, spec in suite.settings.items()}
+        write_html(suite.title, suite.description, suite.all_notes(), labels, rows, figures, suite.target_accuracy,
+                   root / "leaderboard.html", claims)  # fmt: skip
+    (root / "leaderboard.md").write_text(leaderboard_markdown(suite, rows, claims))
+    if claims:
+        from .report.claims import claims_records
+
+        (root / "claims.json").write_text(json.dumps(claims_records(claims), indent=1))
+    (root / "leaderboard.json").write_text(json.dumps(rows, indent=1))
+    fields = list(dict.fromkeys(k for r in rows for k in r))
+    with open(root / "leaderboard.csv", "w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=fields)
+        writer.writeheader()
+        writer.writerows(rows)
