@@ -69,9 +69,9 @@ class Suite(StrictModel):
     claims: list[ClaimSpec] = Field(default_factory=list)
 
     def parsed_claims(self):
-        from .report.claims import parse_claim
+        from .report.claims import parse_claims
 
-        return [parse_claim(c.claim, c.metric, c.margin, c.columns, c.paper, c.note) for c in self.claims]
+        return parse_claims(self.claims)
 
     def method_specs(self) -> dict[str, BenchMethod]:
         if self.methods is not None:
@@ -155,20 +155,9 @@ def load_suite(name_or_path: str) -> Suite:
         unknown = sorted(set(spec.per_setting) - set(suite.settings))
         if unknown:
             raise ConfigError(f"bench: suite {path}: method {method} names unknown settings {unknown}")
-    try:
-        claims = suite.parsed_claims()
-    except ConfigError as exc:
-        raise ConfigError(f"bench: suite {path}: {exc}") from None
-    methods = suite.method_specs()
-    for claim in claims:
-        unknown = [m for m in claim.methods if m not in methods]
-        unknown_settings = [c for c in claim.columns or () if c not in suite.settings]
-        if unknown or unknown_settings:
-            what = f"methods {', '.join(unknown)}" if unknown else f"settings {', '.join(unknown_settings)}"
-            raise ConfigError(
-                f"bench: suite {path}: claim {claim.text!r} names {what} the suite does not have "
-                f"(methods: {', '.join(methods)}; settings: {', '.join(suite.settings)})"
-            )
+    from .report.claims import parse_claims
+
+    parse_claims(suite.claims, list(suite.method_specs()), list(suite.settings), f"bench: suite {path}", "settings", "suite")
     return suite
 
 

@@ -84,9 +84,9 @@ class Preset(StrictModel):
     claims: list[ClaimSpec] = Field(default_factory=list)
 
     def parsed_claims(self):
-        from .report.claims import parse_claim
+        from .report.claims import parse_claims
 
-        return [parse_claim(c.claim, c.metric, c.margin, c.columns, c.paper, c.note) for c in self.claims]
+        return parse_claims(self.claims)
 
 
 def preset_search_path() -> list[Path]:
@@ -166,19 +166,9 @@ def load_preset(name_or_path: str) -> Preset:
             raise ConfigError(f"reproduce: preset {path}: method {method} names unknown columns {sorted(unknown)}")
     if preset.reference_method not in preset.methods:
         raise ConfigError(f"reproduce: preset {path}: reference method {preset.reference_method} is not among its methods")
-    try:
-        claims = preset.parsed_claims()
-    except ConfigError as exc:
-        raise ConfigError(f"reproduce: preset {path}: {exc}") from None
-    for claim in claims:
-        unknown = [m for m in claim.methods if m not in preset.methods]
-        unknown_columns = [c for c in claim.columns or () if c not in preset.columns]
-        if unknown or unknown_columns:
-            what = f"methods {', '.join(unknown)}" if unknown else f"columns {', '.join(unknown_columns)}"
-            raise ConfigError(
-                f"reproduce: preset {path}: claim {claim.text!r} names {what} the preset does not have "
-                f"(methods: {', '.join(preset.methods)}; columns: {', '.join(preset.columns)})"
-            )
+    from .report.claims import parse_claims
+
+    parse_claims(preset.claims, list(preset.methods), list(preset.columns), f"reproduce: preset {path}")
     return preset
 
 

@@ -118,6 +118,26 @@ def parse_claim(text: str, metric: str = "final", margin: float | None = None, c
     return Claim(text.strip(), methods, relations, metric, margin, tuple(columns) if columns else None, paper, note)
 
 
+def parse_claims(specs: Sequence[Any], methods: Sequence[str] | None = None, columns: Sequence[str] | None = None,
+                 where: str = "", column_word: str = "columns", owner: str = "preset") -> list[Claim]:  # fmt: skip
+    """The claims of a reproduce preset or a bench suite (``specs``: its ClaimSpec entries) parsed, and, given its
+    ``methods`` and ``columns``, checked to name only those; errors start with ``where``."""
+    try:
+        claims = [parse_claim(c.claim, c.metric, c.margin, c.columns, c.paper, c.note) for c in specs]
+    except ConfigError as exc:
+        raise ConfigError(f"{where}: {exc}" if where else str(exc)) from None
+    for claim in claims if methods is not None and columns is not None else []:
+        unknown = [m for m in claim.methods if m not in methods]
+        unknown_columns = [c for c in claim.columns or () if c not in columns]
+        if unknown or unknown_columns:
+            what = f"methods {', '.join(unknown)}" if unknown else f"{column_word} {', '.join(unknown_columns)}"
+            raise ConfigError(
+                f"{where}: claim {claim.text!r} names {what} the {owner} does not have "
+                f"(methods: {', '.join(methods)}; {column_word}: {', '.join(columns)})"
+            )
+    return claims
+
+
 @dataclass
 class Interval:
     """The paired difference of one link on one column."""
