@@ -98,17 +98,21 @@ def test_bench_runs_every_cell_and_ranks_the_methods(tmp_path, capsys):
         assert by[("FedProx mu=0 ~ FedAvg", "mb", setting)]["verdict"] == "holds"
     assert by[("FedAvg > FedProx mu=0", "final", "lda")]["verdict"] == "inconclusive"
     not_run = by[("FedAvg > pFedMe momentum", "final", "iid")]
-    assert not_run["verdict"] == "not run" and "pFedMe momentum on iid" in not_run["why"]
+    assert not_run["verdict"] == "not run" and not_run["why"] == "pFedMe momentum is n/a on iid"
     assert "## The papers' claims on this suite" in table and "| FedAvg > FedProx mu=0 | digits LDA 0.3 |" in table
     assert "<h2 id='claims'>" in page and "<b>holds</b>" in page
     assert "claims (paired over seeds" in out and "beside the tables in leaderboard.md" in out
 
 
 def test_one_cell_at_a_time_then_the_rest_reuses_it(tmp_path, capsys):
-    path = _suite(tmp_path)
+    path = _suite(tmp_path, claims=CLAIMS[:1])
     out = tmp_path / "out"
     assert main(["bench", str(path), "--cell", "1", "--out", str(out), "--set", "run.threads=1"]) == 0
     capsys.readouterr()
+    # the leaderboard of what finished: a claim whose cells are not all done says which are missing
+    claim = json.loads((out / "tiny-bench" / "claims.json").read_text())[0]
+    assert claim["verdict"] == "not run" and claim["column"] == "iid"
+    assert claim["why"] == "FedProx mu=0 has 0/2 seeds finished on iid; FedAvg has 1/2 seeds finished on iid"
     assert main(["bench", str(path), "--cells", "--out", str(out)]) == 0
     states = [line.split("\t")[4].split()[0] for line in capsys.readouterr().out.splitlines()]
     assert states[:4] == ["todo", "done", "todo", "todo"] and states[4] == "n/a"  # pFedMe refused by its config

@@ -208,3 +208,9 @@ def test_the_seeds_cell_counts_the_claimed_side_of_each_relation():
     cells = [claim_cells(row)["seeds"] for row in rows]
     assert cells == ["2 (0/2 FedICT below)", "2 (1/2 Small below)", "2 (2/2 FedICT ahead)"]
     assert rows[0]["verdict"] == DOES_NOT_HOLD and rows[2]["verdict"] == HOLDS
+    # an 'A ~ B' claim counts the seeds within its margin: Small - FedAvg is -0.37 and +0.03 MB
+    (close,) = evaluate_claims(
+        [parse_claim("Small ~ FedAvg", "final", 0.1)], ["col"], {"col": "a column"}, [0, 1],
+        value=lambda c, m, s, metric: mb[(m, s)], available=lambda c, m: True,
+    )  # fmt: skip
+    assert claim_cells(close)["seeds"] == "2 (1/2 within ±0.1)"

@@ -96,8 +96,16 @@ def suite_claim_rows(suite: Any, cells: list[Any]) -> list[dict[str, Any]]:
         value=lambda c, m, s, metric: run_value(by_key[(c, m, s)].result(), metric),
         available=lambda c, m: all(by_key[(c, m, s)].state() != "n/a" and by_key[(c, m, s)].result() is not None for s in suite.seeds),
         why_missing=why,
-        not_run="not every seed of the suite has finished (or the method is n/a)",
+        not_run=lambda methods, setting: "; ".join(_unfinished(by_key, setting, m, suite.seeds) for m in methods),
     )  # fmt: skip
+
+
+def _unfinished(by_key: dict[tuple[str, str, int], Any], setting: str, method: str, seeds: list[int]) -> str:
+    """Why a method's cells on a setting cannot enter a claim: n/a there, or not every seed finished."""
+    cells = [by_key[(setting, method, s)] for s in seeds]
+    if any(c.state() == "n/a" for c in cells):
+        return f"{method} is n/a on {setting}"
+    return f"{method} has {sum(c.result() is not None for c in cells)}/{len(cells)} seeds finished on {setting}"
 
 
 def write_leaderboard(

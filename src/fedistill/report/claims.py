@@ -220,15 +220,15 @@ def evaluate_claims(
     value: Callable[[str, str, int, str], float | None],
     available: Callable[[str, str], bool],
     why_missing: Callable[[str, str, int], str | None] = lambda c, m, s: None,
-    not_run: str = "not run in this invocation",
+    not_run: Callable[[list[str], str], str] | None = None,
 ) -> list[dict[str, Any]]:
     """One row per (claim, column): the links' paired differences and the chain's verdict.
 
     ``value(column, method, seed, metric)`` is a run's value (None when it has none, e.g. diverged);
     ``available(column, method)`` says whether the method ran on that column in this invocation (a claim
     whose methods were not run is reported as not run, never guessed); ``why_missing`` says why a value
-    is None (shown in the row); ``not_run`` says why the methods a claim needs have no values (the wording of
-    the command that evaluates it)."""
+    is None (shown in the row); ``not_run(methods, column)`` says why those methods have no values there (the
+    default: they were not run in this invocation)."""
     rows: list[dict[str, Any]] = []
     for claim in claims:
         unknown_columns = [c for c in claim.columns or () if c not in labels]
@@ -242,7 +242,7 @@ def evaluate_claims(
             missing = [m for m in claim.methods if column not in columns or not available(column, m)]
             if missing:
                 rows.append({**base, "verdict": "not run", "links": [], "means": {},
-                             "why": f"{not_run}: {', '.join(missing)} on {column}"})  # fmt: skip
+                             "why": not_run(missing, column) if not_run else f"not run in this invocation: {', '.join(missing)} on {column}"})  # fmt: skip
                 continue
             values = {m: {s: value(column, m, s, claim.metric) for s in seeds} for m in claim.methods}
             means = {m: stat(values[m].values()) for m in claim.methods}
@@ -262,10 +262,13 @@ def evaluate_claims(
     return rows
 
 
-def seeds_on_the_claimed_side(link: LinkResult) -> str:
-    """'2/3 A ahead' for 'A > B' (and '~'), '3/3 A below' for 'A < B': the seeds that agree with the claim's
-    direction (an 'A < B' claim on traffic is met by the seeds where A sends less)."""
+def seeds_on_the_claimed_side(link: LinkResult, margin: float | None = None) -> str:
+    """'2/3 A ahead' for 'A > B', '3/3 A below' for 'A < B' (an 'A < B' claim on traffic is met by the seeds where
+    A sends less), '3/3 within ±1' for 'A ~ B' with its margin: the seeds that agree with the claim."""
     iv = link.interval
+    if link.relation == "~" and margin is not None:
+        within = sum(abs(link.a_values[s] - link.b_values[s]) <= margin for s in link.a_values)
+        return f"{within}/{iv.n} within ±{margin:g}"
     return f"{iv.a_below}/{iv.n} {link.a} below" if link.relation == "<" else f"{iv.a_wins}/{iv.n} {link.a} ahead"
 
 
@@ -279,7 +282,7 @@ def claim_cells(row: dict[str, Any]) -> dict[str, str]:
         f"{link.a} - {link.b}: {link.interval.fmt()}" + (f" ({link.verdict})" if len(row["links"]) > 1 else "")
         for link in row["links"]
     )
-    seeds = "; ".join(f"{link.interval.n} ({seeds_on_the_claimed_side(link)})" for link in row["links"])
+    seeds = "; ".join(f"{link.interval.n} ({seeds_on_the_claimed_side(link, row['margin'])})" for link in row["links"])
     left_out = sorted({entry for link in row["links"] for entry in link.left_out})
     verdict = row["verdict"] + (f" (left out: {'; '.join(left_out)})" if left_out else "")
     return {"values": values, "difference": diffs, "seeds": seeds, "verdict": verdict}
