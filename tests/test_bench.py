@@ -244,3 +244,83 @@ def test_ray_runs_the_cells_as_tasks_on_a_local_instance(tmp_path):
     on_ray = bench(suite, tmp_path / "ray", overrides=["run.threads=1"], ray_address="local")
     assert [(r["setting"], r["final_accuracy"]) for r in on_ray] == [(r["setting"], r["final_accuracy"]) for r in serial]
     assert (tmp_path / "ray" / "tiny-bench" / "lda" / "FedAvg" / "seed0" / "flops.json").is_file()
+
+
+def _children(pid: int) -> set[int]:
+    """Live process ids whose parent is ``pid`` (Linux /proc; zombies left out)."""
+    found = set()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid and fields[0] != "Z":
+                found.add(int(entry.name))
+    return found
+
+
+def _alive(pids: set[int]) -> set[int]:
+    alive = set()
+    for pid in pids:
+        try:
+            if (Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]) != "Z":
+                alive.add(pid)
+        except OSError:
+            pass
+    return alive
+
+
+def test_a_terminated_or_killed_bench_stops_its_cells_and_continues(tmp_path):
+    """SIGTERM (a scheduler's stop): exit 143 at once with the command to continue, the running cells stopped rather
+    than waited for (each is a whole run). SIGKILL: the cell processes end with the bench instead of writing on,
+    orphaned, into the directories the next bench resumes. Either way the next bench continues the cells."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    long = {**TINY["protocol"], "rounds": 400, "run": {"checkpoint_every": 1}}
+    path = _suite(tmp_path, methods={"FedAvg": TINY["methods"]["FedAvg"]}, protocol=long)
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "fedistill.cli", "bench", str(path), "--jobs", "2", "--out", str(out), "--set", "run.threads=1"]
+    cells = [out / "tiny-bench" / "iid" / "FedAvg" / f"seed{s}" / "metrics.jsonl" for s in (0, 1)]
+
+    def start_and_wait_for_rounds(rounds: int) -> subprocess.Popen:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 120
+        while not all(c.exists() and c.read_text().count("\n") >= rounds for c in cells):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.2)
+        return proc
+
+    def assert_gone(pids: set[int]) -> None:
+        deadline = time.monotonic() + 15
+        while _alive(pids):
+            assert time.monotonic() < deadline, "cell processes outlived the bench"
+            time.sleep(0.2)
+
+    started: list[int] = []
+    try:
+        proc = start_and_wait_for_rounds(1)
+        workers = _children(proc.pid)
+        started += [proc.pid, *workers]
+        assert workers
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)  # a cell has 399 rounds left: not waited for
+        assert proc.returncode == 143 and "run the same fedistill bench command again to continue" in err and "Traceback" not in err, err
+        assert_gone(workers)
+        done = [c.read_text().count("\n") for c in cells]
+
+        proc = start_and_wait_for_rounds(max(done) + 1)  # resumed: the cells go on from their checkpoints
+        workers = _children(proc.pid)
+        started += [proc.pid, *workers]
+        proc.kill()
+        proc.communicate(timeout=30)
+        assert_gone(workers)
+    finally:  # a failing check must not leave 400-round cells running
+        for pid in _alive(set(started)):
+            os.kill(pid, signal.SIGKILL)
+    rows = [json.loads(line)["round"] for line in cells[0].read_text().splitlines()]
+    assert rows == list(range(1, len(rows) + 1))  # one run, continued, no round written twice

@@ -82,7 +82,7 @@ def _init_worker(
     from .perf import keep_freed_memory_in_heap
 
     global _WORKER_RUNTIME
-    _exit_with_parent()
+    exit_with_parent()
     torch.set_num_threads(threads)
     cfg = build_config(config)
     if cfg.run.tune_allocator:
@@ -90,7 +90,7 @@ def _init_worker(
     _WORKER_RUNTIME = runtime_factory(cfg, dataset, train_indices, test_indices)
 
 
-def _exit_with_parent(poll_seconds: float = 1.0) -> None:
+def exit_with_parent(poll_seconds: float = 1.0) -> None:
     """End this worker when the process that started it is gone (killed with SIGKILL, or by a signal it did
     not handle): otherwise the worker lives on, re-parented to init, holding its memory. A daemon thread
     checks the parent id once a second; on a clean shutdown the pool stops the worker first."""
@@ -158,18 +158,24 @@ class ProcessPoolExecutor:
     def close(self, abandon: bool = False) -> None:
         """Stop the workers. ``abandon``: the round was interrupted and its results are thrown away, so the
         running clients are not waited for (a big client can take minutes); the workers are terminated."""
-        if not abandon:
+        if abandon:
+            abandon_pool(self._pool)
+        else:
             self._pool.shutdown(wait=True, cancel_futures=True)
-            return
-        # CPython's record of the pool's worker processes (pid -> Process), read before shutdown clears it.
-        workers = list((getattr(self._pool, "_processes", None) or {}).values())
-        with uninterrupted():
-            self._pool.shutdown(wait=False, cancel_futures=True)
-        _quiet_resource_sharer_resets()
-        for process in workers:
-            process.terminate()
-        for process in workers:
-            process.join(timeout=10)
+
+
+def abandon_pool(pool: concurrent.futures.ProcessPoolExecutor) -> None:
+    """Stop a process pool whose running tasks are thrown away (an interrupted round; an interrupted bench, whose
+    cells resume from their checkpoints): its workers are terminated, not waited for."""
+    # CPython's record of the pool's worker processes (pid -> Process), read before shutdown clears it.
+    workers = list((getattr(pool, "_processes", None) or {}).values())
+    with uninterrupted():
+        pool.shutdown(wait=False, cancel_futures=True)
+    _quiet_resource_sharer_resets()
+    for process in workers:
+        process.terminate()
+    for process in workers:
+        process.join(timeout=10)
 
 
 def _quiet_resource_sharer_resets() -> None:
