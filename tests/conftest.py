@@ -138,3 +138,35 @@ def assert_resume_is_exact(dataset, tmp_path, algorithm, server_keys=(), client_
     for key in client_keys:
         for cid, state in full.state.client_states.items():
             assert torch.equal(state[key], resumed.state.client_states[cid][key]), (key, cid)
+
+
+# -- processes (the tests that stop runs and benches with signals) ---------------------------------------------
+def live_processes(pids) -> set[int]:
+    """Those of ``pids`` still running (Linux /proc; a zombie has ended)."""
+    from pathlib import Path
+
+    alive = set()
+    for pid in pids:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z":
+            alive.add(pid)
+    return alive
+
+
+def child_processes(pid: int) -> set[int]:
+    """Live process ids whose parent is ``pid``."""
+    from pathlib import Path
+
+    found = set()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid and fields[0] != "Z":
+                found.add(int(entry.name))
+    return found

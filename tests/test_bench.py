@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from conftest import child_processes, live_processes
+
 from fedistill.bench import available_suites, bench, load_suite, suite_cells
 from fedistill.cli import main
 from fedistill.errors import ConfigError
@@ -246,31 +248,6 @@ def test_ray_runs_the_cells_as_tasks_on_a_local_instance(tmp_path):
     assert (tmp_path / "ray" / "tiny-bench" / "lda" / "FedAvg" / "seed0" / "flops.json").is_file()
 
 
-def _children(pid: int) -> set[int]:
-    """Live process ids whose parent is ``pid`` (Linux /proc; zombies left out)."""
-    found = set()
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == pid and fields[0] != "Z":
-                found.add(int(entry.name))
-    return found
-
-
-def _alive(pids: set[int]) -> set[int]:
-    alive = set()
-    for pid in pids:
-        try:
-            if (Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]) != "Z":
-                alive.add(pid)
-        except OSError:
-            pass
-    return alive
-
-
 def test_a_terminated_or_killed_bench_stops_its_cells_and_continues(tmp_path):
     """SIGTERM (a scheduler's stop): exit 143 at once with the command to continue, the running cells stopped rather
     than waited for (each is a whole run). SIGKILL: the cell processes end with the bench instead of writing on,
@@ -297,14 +274,14 @@ def test_a_terminated_or_killed_bench_stops_its_cells_and_continues(tmp_path):
 
     def assert_gone(pids: set[int]) -> None:
         deadline = time.monotonic() + 15
-        while _alive(pids):
+        while live_processes(pids):
             assert time.monotonic() < deadline, "cell processes outlived the bench"
             time.sleep(0.2)
 
     started: list[int] = []
     try:
         proc = start_and_wait_for_rounds(1)
-        workers = _children(proc.pid)
+        workers = child_processes(proc.pid)
         started += [proc.pid, *workers]
         assert workers
         proc.send_signal(signal.SIGTERM)
@@ -314,13 +291,13 @@ def test_a_terminated_or_killed_bench_stops_its_cells_and_continues(tmp_path):
         done = [c.read_text().count("\n") for c in cells]
 
         proc = start_and_wait_for_rounds(max(done) + 1)  # resumed: the cells go on from their checkpoints
-        workers = _children(proc.pid)
+        workers = child_processes(proc.pid)
         started += [proc.pid, *workers]
         proc.kill()
         proc.communicate(timeout=30)
         assert_gone(workers)
     finally:  # a failing check must not leave 400-round cells running
-        for pid in _alive(set(started)):
+        for pid in live_processes(set(started)):
             os.kill(pid, signal.SIGKILL)
     rows = [json.loads(line)["round"] for line in cells[0].read_text().splitlines()]
     assert rows == list(range(1, len(rows) + 1))  # one run, continued, no round written twice

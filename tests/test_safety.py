@@ -14,6 +14,8 @@ import pytest
 import torch
 import yaml
 
+from conftest import child_processes, live_processes
+
 from fedistill.cli import main
 
 FAST = ["--rounds", "2", "--clients", "6", "--clients-per-round", "3", "--epochs", "1", "--no-progress"]
@@ -357,20 +359,6 @@ def test_reproduce_shows_a_nan_test_loss_as_a_failed_cell(tmp_path, monkeypatch)
     assert rows[0]["failed"] is not None
 
 
-def _children(pid: int) -> set[int]:
-    """Process ids whose parent is ``pid`` (Linux /proc)."""
-    found = set()
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == pid:
-                found.add(int(entry.name))
-    return found
-
-
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads process parents from /proc")
 def test_sigterm_stops_the_workers_notes_the_round_and_the_run_resumes(tmp_path):
     """A scheduler's SIGTERM takes the Ctrl-C path: exit 143 with the resume command, a note in run.log, and
@@ -389,7 +377,7 @@ def test_sigterm_stops_the_workers_notes_the_round_and_the_run_resumes(tmp_path)
     while not ((run / "metrics.jsonl").exists() and (run / "metrics.jsonl").read_text().count("\n") >= 1):
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
         time.sleep(0.2)
-    workers = _children(proc.pid)
+    workers = child_processes(proc.pid)
     assert workers  # the pool (and multiprocessing's resource tracker) are running
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=120)
@@ -397,7 +385,7 @@ def test_sigterm_stops_the_workers_notes_the_round_and_the_run_resumes(tmp_path)
     assert f"terminated: continue with `fedistill run --resume {run}`" in err and "Traceback" not in err, err
     assert "interrupted after round" in (run / "run.log").read_text()
     deadline = time.monotonic() + 15
-    while any(Path(f"/proc/{w}").exists() and "(Z)" not in Path(f"/proc/{w}/stat").read_text() for w in workers):
+    while live_processes(workers):
         assert time.monotonic() < deadline, "worker processes outlived the run"
         time.sleep(0.2)
     assert main(["run", "--resume", str(run), "--rounds", "6", "--no-progress"]) == 0
@@ -461,8 +449,7 @@ def test_an_abandoned_pool_terminates_its_running_workers_instead_of_waiting_for
     executor.close(abandon=True)
     assert time.monotonic() - started < 30  # not the 600 s the task would take
     # gone or a zombie (the pool's manager thread and close both reap it, so Process.is_alive cannot tell)
-    stat = Path(f"/proc/{worker}/stat")
-    assert not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    assert not live_processes({worker})
     # the pool's manager thread sees its worker gone and fails the abandoned task: nothing is left waiting on it
     concurrent.futures.wait([running], timeout=30)
     assert isinstance(running.exception(timeout=0), concurrent.futures.process.BrokenProcessPool)

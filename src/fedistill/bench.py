@@ -366,27 +366,17 @@ def bench(
             _, seconds = _run_cell(cell.config.resolved_dict(), str(cell.path), cell.seed == first_seed)
             finished(cell, seconds, i)
     elif todo:
-        import multiprocessing
-        from concurrent.futures import ProcessPoolExecutor, as_completed
+        from concurrent.futures import as_completed
 
-        from .engine.executors import abandon_pool, exit_with_parent
+        from .engine.executors import run_pool
         from .engine.interrupts import uninterrupted
 
-        context = multiprocessing.get_context("spawn")  # no forked torch state; plugins travel in $FEDISTILL_PLUGINS
-        # A cell process ends with the bench, however the bench ends: orphaned cells would go on writing the run
-        # directories that the next bench resumes.
-        pool = ProcessPoolExecutor(max_workers=jobs, mp_context=context, initializer=exit_with_parent)
-        try:
+        with run_pool(jobs) as pool:  # an interrupted bench stops its cells; they resume from their checkpoints
             with uninterrupted():
                 futures = {pool.submit(_run_cell, c.config.resolved_dict(), str(c.path), c.seed == first_seed): c for c in todo}
             for i, future in enumerate(as_completed(futures), 1):
                 _, seconds = future.result()
                 finished(futures[future], seconds, i)
-        except KeyboardInterrupt:
-            abandon_pool(pool)  # a running cell is a whole run: stopped, it resumes from its last checkpoint
-            raise
-        finally:
-            pool.shutdown(wait=True, cancel_futures=True)
     peak = measure_bf16_peak(cores)
     rows = leaderboard_rows(suite, cells, peak)
     claims = suite_claim_rows(suite, cells)

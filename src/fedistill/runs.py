@@ -100,16 +100,18 @@ def run_in_parallel(runs: list[tuple[str, Any, Path]], jobs: int, console, name:
     """Bring every (label, config, path) of ``runs`` to its rounds, ``jobs`` at a time in spawned processes
     (no forked torch state; plugins travel in $FEDISTILL_PLUGINS), one line as each finishes. Every directory
     is checked first, so a changed configuration stops everything before any run starts."""
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor, as_completed
+    from concurrent.futures import as_completed
+
+    from .engine.executors import run_pool
+    from .engine.interrupts import uninterrupted
 
     todo = [(label, cfg, path) for label, cfg, path in runs if run_state(cfg, path) != "done"]
     if not todo:
         return
     console.print(f"[bold]{name}[/]: {len(todo)} runs to do, {jobs} at a time -> {root}")
-    context = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(max_workers=jobs, mp_context=context) as pool:
-        futures = {pool.submit(ensure_run_quietly, cfg.resolved_dict(), str(path)): label for label, cfg, path in todo}
+    with run_pool(jobs) as pool:  # interrupted, the running runs stop and resume from their checkpoints
+        with uninterrupted():
+            futures = {pool.submit(ensure_run_quietly, cfg.resolved_dict(), str(path)): label for label, cfg, path in todo}
         for done, future in enumerate(as_completed(futures), 1):
             future.result()  # a failed run stops here, with its own error
             console.print(f"{futures[future]} finished ({done}/{len(todo)})", highlight=False)

@@ -11,9 +11,10 @@ and each worker has the same thread count, so any pool of the same thread count 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import multiprocessing
 import os
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 
@@ -176,6 +177,25 @@ def abandon_pool(pool: concurrent.futures.ProcessPoolExecutor) -> None:
         process.terminate()
     for process in workers:
         process.join(timeout=10)
+
+
+@contextlib.contextmanager
+def run_pool(jobs: int) -> Iterator[concurrent.futures.ProcessPoolExecutor]:
+    """``jobs`` spawned processes for whole runs (``reproduce --jobs``, ``bench --jobs``; no forked torch state,
+    plugins travel in $FEDISTILL_PLUGINS). A run process ends with the command, however it ends: interrupted
+    (SIGTERM, Ctrl-C), the running runs are stopped, not waited for, and resume from their last checkpoints;
+    killed, each process sees its parent gone within a second, instead of writing on, orphaned, into the run
+    directories that the next command resumes. Submit under ``uninterrupted()``."""
+    pool = concurrent.futures.ProcessPoolExecutor(
+        max_workers=jobs, mp_context=multiprocessing.get_context("spawn"), initializer=exit_with_parent
+    )
+    try:
+        yield pool
+    except KeyboardInterrupt:
+        abandon_pool(pool)
+        raise
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 def _quiet_resource_sharer_resets() -> None:
