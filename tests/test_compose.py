@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 from conftest import assert_learns, assert_resume_is_exact, assert_same_rounds
 
 from fedistill.algorithms.aggregate import ServerMomentum
