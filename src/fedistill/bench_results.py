@@ -11,8 +11,8 @@ from __future__ import annotations
 import csv
 import json
 import statistics
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 from .report.groups import stat
 from .reproduce import method_dir_name
