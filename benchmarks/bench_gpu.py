@@ -153,7 +153,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--data-dir", default="../shared/data")
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--only", action="append", choices=["mnist", "resnet18"])
+    ap.add_argument("--only", action="append", choices=["mnist", "resnet18", "none"], help="none: only --server-methods")
     ap.add_argument("--cpu-steps", type=int, default=0)
     ap.add_argument("--server-methods", type=int, default=0, metavar="ROUNDS", help="also FedFTG, DaFKD and FedICT for ROUNDS rounds")
     ap.add_argument("--json")
@@ -166,6 +166,8 @@ def main() -> None:
         "runs": {},
     }
     for name in args.only or ["mnist", "resnet18"]:
+        if name == "none":
+            continue
         protocol, dataset = workload(name, args.data_dir)
         if torch.cuda.is_available():
             for precision in ("fp32", "bf16"):

@@ -15,6 +15,8 @@ DEVICE=${DEVICE:-cuda}  # cpu: try the script's plumbing on a machine without a 
 PY=${PY:-python3}
 STAGES=${STAGES:-"speed profile resume tests"}  # a subset reruns what a fix touched
 TESTS=${TESTS:-tests/}
+SPEED_ARGS=${SPEED_ARGS:-"--rounds 4 --server-methods 2"}  # e.g. "--only none --server-methods 3": the server-side methods alone
+SPEED_LIMIT=${SPEED_LIMIT:-150}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD/benchmarks${PYTHONPATH:+:$PYTHONPATH}"
 stage() { echo "== $1 $(date +%T)"; }
@@ -26,7 +28,7 @@ stage environment
 want() { [[ " $STAGES " == *" $1 "* ]]; }
 
 want speed && { stage speed
-timeout 150 $PY benchmarks/bench_gpu.py --data-dir "$DATA" --rounds 4 --server-methods 2 --json "$OUT/bench_gpu.json" > "$OUT/bench_gpu.txt" 2>&1
+timeout "$SPEED_LIMIT" $PY benchmarks/bench_gpu.py --data-dir "$DATA" $SPEED_ARGS --json "$OUT/bench_gpu.json" > "$OUT/bench_gpu.txt" 2>&1
 echo "bench_gpu exit $?"; tail -n 14 "$OUT/bench_gpu.txt"; }
 
 want profile && { stage profile

@@ -63,10 +63,25 @@ def test_fedftg_resumes_on_the_gpu_bitwise(digits, tmp_path):
     assert_resume_is_exact(digits, tmp_path, "fedftg", server_keys=(FEDFTG_GENERATOR_KEY,), **FEDFTG_FAST, **ON_GPU)
 
 
+@pytest.mark.xfail(
+    reason="known (issue 29, H100 2026-11-26, benchmarks/diagnose_gpu_resume.py): the first DaFKD run in a process "
+    "differs from every later one in the 4th decimal, so a resume in a new process is not bitwise; the gap needs the "
+    "gradient penalty's double backward (gradient_penalty 0: bitwise) and goes away after an earlier training round "
+    "in the process; cuDNN off does not remove it",
+    strict=False,
+)
 def test_dafkd_resumes_on_the_gpu_bitwise(digits, tmp_path):
     assert_resume_is_exact(
         digits, tmp_path, "dafkd", server_keys=(DAFKD_GENERATOR_KEY,), client_keys=(DISCRIMINATOR_KEY,), **DAFKD_QUICK, **ON_GPU
     )
+
+
+def test_dafkd_without_the_gradient_penalty_resumes_on_the_gpu_bitwise(digits, tmp_path):
+    """The first-run gap above needs the penalty: without it three runs in one process agreed bit for bit (H100)."""
+    assert_resume_is_exact(
+        digits, tmp_path, "dafkd", server_keys=(DAFKD_GENERATOR_KEY,), client_keys=(DISCRIMINATOR_KEY,),
+        **DAFKD_QUICK, **ON_GPU, **{"algorithm.gradient_penalty": 0.0},
+    )  # fmt: skip
 
 
 def test_fedict_runs_and_resumes_on_the_gpu(digits, tmp_path):
