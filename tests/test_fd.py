@@ -19,10 +19,10 @@ from fedistill.models.flat import get_flat, set_flat
 HETERO = ["fd_resnet2", "fd_resnet4", "fd_resnet8", "fd_resnet10", "fd_resnet12"]
 
 
-def fd_config(algorithm: str = "fedict", rounds: int = 2, clients=HETERO, params=None, **extra):
+def fd_config(algorithm: str = "fedict", rounds: int = 2, clients=HETERO, params=None, clients_per_round=5, **extra):
     tree = {
         "rounds": rounds,
-        "clients_per_round": 5,
+        "clients_per_round": clients_per_round,
         "algorithm": {"name": algorithm, **(params or {})},
         "partition": {"num_clients": 5, "per_client_test": True},
         "model": {"clients": clients, "server": "fd_server_resnet56", "server_kwargs": {"blocks_per_stage": 1}},
@@ -249,6 +249,11 @@ def test_fedict_server_terms_match_the_cards_equations(digits):
             v = torch.softmax((d_s - local) / 7.0, dim=0).float()
             expected = 1.5 * _kl(p, outputs, 3.0) + 2.0 * _kl(p, outputs, 3.0, v)
         torch.testing.assert_close(got, expected.float(), rtol=1e-5, atol=1e-6)
+    # The code's loss style moves β onto the CE: the plain KL weighs 1 and LKA's μ term stays (fedict.md A6).
+    code = FedICT(FedICT.Params(variant="sim", kd_weight=1.5, lka_weight=2.0, server_loss_style="code"), None)
+    s_k = float(d_s @ local / (d_s.norm() * local.norm()))
+    expected = (1.0 + 2.0 * s_k) * _kl(p, outputs, 3.0)
+    torch.testing.assert_close(code.server_distillation(server, 0, outputs, client_logits), expected.float(), rtol=1e-5, atol=1e-6)
 
 
 def test_fedict_client_term_is_kl_plus_class_weighted_fpkd(digits):
@@ -472,3 +477,42 @@ def test_batchnorm_modes_of_client_and_server_follow_the_card(digits, algorithm)
     torch.testing.assert_close(reply["features"], h, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(reply["logits"], z, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(sim.server.state["knowledge"][cid], knowledge, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("style", ["paper", "code"])
+def test_server_step_weighs_ce_and_kd_as_the_loss_style_says(digits, style):
+    """fedgkt.md A1 / fedict.md A6: one server SGD step (one client, one batch, no momentum or decay) equals
+    w − η∇[CE + β τ² KL(σ_τ(z_c)‖σ_τ(o))] (paper, Eq. 4) or w − η∇[β CE + τ² KL] (the released code), recomputed
+    here from the uploaded features, logits and labels with the card's formulas."""
+    import copy
+
+    beta, tau, lr = 1.5, 3.0, 0.05
+    params = {"kd_weight": beta, "temperature": tau, "server_lr": lr, "server_momentum": 0.0, "server_weight_decay": 0.0,
+              "server_batch_size": 100_000, "server_loss_style": style}  # fmt: skip
+    cfg = fd_config("fedgkt", rounds=1, clients=["fd_resnet4"], params=params, clients_per_round=1, partition__num_clients=1)
+    sim = Simulation(cfg, digits)
+    seen = {}
+    original = sim.algorithm.aggregate
+
+    def capture(server, info, replies):
+        seen["replies"] = dict(replies)
+        seen["before"] = copy.deepcopy(server.model)
+        return original(server, info, replies)
+
+    sim.algorithm.aggregate = capture
+    sim.run()
+    (reply,) = seen["replies"].values()
+    model = seen["before"].train()
+    outputs = model(reply["features"]).float()
+    ce = F.cross_entropy(outputs, reply["labels"].long())
+    kl = _kl(torch.softmax(reply["logits"].float() / tau, dim=1), outputs, tau)
+    ce_grad = torch.cat([g.flatten() for g in torch.autograd.grad(ce, list(model.parameters()), retain_graph=True)])
+    kl_grad = torch.cat([g.flatten() for g in torch.autograd.grad(kl, list(model.parameters()))])
+    steps = {"paper": -lr * (ce_grad + beta * kl_grad), "code": -lr * (beta * ce_grad + kl_grad)}
+    before = torch.cat([p.detach().flatten() for p in model.parameters()])
+    after = torch.cat([p.detach().flatten() for p in sim.server.model.parameters()])
+    relative_error = lambda step: float((after - before - step).norm() / step.norm())  # noqa: E731
+    # (Summation order differs from the engine's shuffled batch: a few 1e-4 of the step, not more.)
+    assert relative_error(steps[style]) < 0.01, relative_error(steps[style])
+    other = "code" if style == "paper" else "paper"
+    assert relative_error(steps[other]) > 0.05, relative_error(steps[other])  # the two styles are told apart

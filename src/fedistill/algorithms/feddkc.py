@@ -67,4 +67,4 @@ class FedDKC(FedGKT):
     ) -> torch.Tensor:
         p = self.params
         teacher = self.refined_teacher(client_logits, outputs.shape[1]).to(outputs.device)
-        return p.kd_weight * distillation_kl_from_probs(outputs, teacher, p.temperature)
+        return self.server_kd_weight * distillation_kl_from_probs(outputs, teacher, p.temperature)

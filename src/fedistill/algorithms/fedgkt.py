@@ -62,6 +62,10 @@ class FedGKTParams(AlgorithmParams):
     extract_view: Literal["augmented", "clean"] = Field(
         "augmented", description="which view of each training sample the uploaded features come from (A6/A10)"
     )
+    server_loss_style: Literal["paper", "code"] = Field(
+        "paper",
+        description="server loss CE + β·KD (paper: FedICT Eq. 4) or the released code's KD + β·CE (card A1; FedICT A6)",
+    )
     init_knowledge: Literal["none", "uniform"] = Field(
         "none", description="round 1 without server knowledge: CE only (none, code) or a uniform teacher (the FedICT paper's zeros)"
     )
@@ -99,7 +103,17 @@ class FedGKT(Algorithm):
     ) -> torch.Tensor:
         """The server's knowledge term for a batch of client ``cid``: ``β τ² KL(σ_τ(z_c) ‖ σ_τ(o))``."""
         p = self.params
-        return p.kd_weight * distillation_kl(outputs, client_logits, p.temperature)
+        return self.server_kd_weight * distillation_kl(outputs, client_logits, p.temperature)
+
+    @property
+    def server_kd_weight(self) -> float:
+        """β on the server's plain KL term; 1 in ``server_loss_style: code``, where β weighs the CE instead."""
+        return self.params.kd_weight if self.params.server_loss_style == "paper" else 1.0
+
+    @property
+    def server_ce_weight(self) -> float:
+        """The server's CE weight: 1 (paper, Eq. 4), β (the FedML/FedICT code's ``loss_kd + alpha * loss_true``)."""
+        return 1.0 if self.params.server_loss_style == "paper" else self.params.kd_weight
 
     def setup_payload(self, client: ClientContext, labels: torch.Tensor) -> dict[str, torch.Tensor]:
         """What a client sends once, with its first upload (FedICT: d^k, N^k, Y^k). FedGKT: nothing."""
@@ -231,7 +245,7 @@ class FedGKT(Algorithm):
                     h = self._server_input(server, features[rows])
                     with autocast_context(server.precision, server.device):
                         outputs = model(h).float()
-                        loss = F.cross_entropy(outputs, labels[rows].to(server.device))
+                        loss = self.server_ce_weight * F.cross_entropy(outputs, labels[rows].to(server.device))
                         loss = loss + self.server_distillation(server, cid, outputs, client_logits[rows].to(server.device))
                     optimizer.zero_grad(set_to_none=True)
                     loss.backward()

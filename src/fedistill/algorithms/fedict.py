@@ -136,9 +136,10 @@ class FedICT(FedGKT):
         p = self.params
         local = server.state["distributions"][cid]
         glob = self._global_distribution(server)
+        # server_kd_weight: β (paper, Eq. 9 over Eq. 4), 1 in the code's loss style, where β weighs the CE.
         if p.variant == "sim":
-            weight = p.kd_weight + p.lka_weight * lka_similarity(glob, local)
+            weight = self.server_kd_weight + p.lka_weight * lka_similarity(glob, local)
             return weight * distillation_kl(outputs, client_logits, p.temperature)
         v = lka_balance_weights(glob, local, p.lka_temperature, p.lka_weights).float().to(outputs.device)
-        plain = p.kd_weight * distillation_kl(outputs, client_logits, p.temperature)
+        plain = self.server_kd_weight * distillation_kl(outputs, client_logits, p.temperature)
         return plain + p.lka_weight * distillation_kl(outputs, client_logits, p.temperature, class_weights=v)
