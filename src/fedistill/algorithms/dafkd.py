@@ -61,7 +61,7 @@ import torch
 from pydantic import Field, model_validator
 from torch import nn
 
-from ..engine.seeding import DAFKD, derive_seed
+from ..engine.seeding import DAFKD, cpu_seeded, derive_seed
 from ..errors import ConfigError
 from ..losses import (
     discriminator_loss,
@@ -498,9 +498,7 @@ class DaFKD(FedAvg):
 
     def initial_discriminator(self, client: ClientContext, disc: _Discriminator) -> torch.Tensor:
         """ψ_k⁰ (and, separate, an extractor from w_g^0): seeded by the client's stream, never shared."""
-        with torch.random.fork_rng(devices=[]):
-            # The CPU generator only: torch.manual_seed would also reseed CUDA's, which fork_rng(devices=[]) does not restore.
-            torch.default_generator.manual_seed(int(torch.randint(0, 2**62, (1,), generator=client.generator)))
+        with cpu_seeded(int(torch.randint(0, 2**62, (1,), generator=client.generator))):
             head = nn.Linear(disc.head.in_features, 1)
         if not disc.separate:
             return get_flat(head)

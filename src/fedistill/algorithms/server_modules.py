@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from ..engine.seeding import derive_seed
+from ..engine.seeding import cpu_seeded, derive_seed
 from ..models.flat import get_flat, set_flat
 from .base import ClientContext, ServerContext
 
@@ -31,9 +31,7 @@ class PersistentModule:
 
     def initial(self, server: ServerContext) -> nn.Module:
         """A new module with θ⁰ from its own stream (the global RNG is left untouched)."""
-        with torch.random.fork_rng(devices=[]):
-            # The CPU generator only: torch.manual_seed would also reseed CUDA's, which fork_rng(devices=[]) does not restore.
-            torch.default_generator.manual_seed(derive_seed(server.seed, self.seed_tag, 0))
+        with cpu_seeded(derive_seed(server.seed, self.seed_tag, 0)):
             return self.build(server)
 
     def init_state(self, server: ServerContext) -> torch.Tensor:

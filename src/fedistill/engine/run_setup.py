@@ -13,7 +13,7 @@ from ..data.dataset import Dataset
 from ..protocol import RoundInfo
 from .executors import client_threads
 from .perf import keep_freed_memory_in_heap
-from .seeding import derive_seed
+from .seeding import cpu_seeded, derive_seed
 
 
 def build_model_for(
@@ -31,9 +31,7 @@ def build_model_for(
     name = name or cfg.model_name()
     if kwargs is None:
         kwargs = cfg.model.kwargs if name == cfg.model_name() else {}
-    with torch.random.fork_rng(devices=[]):
-        # The CPU generator only: torch.manual_seed would also reseed CUDA's, which fork_rng(devices=[]) does not restore.
-        torch.default_generator.manual_seed(derive_seed(cfg.seed, *seed_coords))
+    with cpu_seeded(derive_seed(cfg.seed, *seed_coords)):
         model = build_model(name, tuple(input_shape or dataset.input_shape), dataset.num_classes, **kwargs)
     model = model.to(cfg.run.device)
     if cfg.run.channels_last:

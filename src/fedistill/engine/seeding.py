@@ -7,6 +7,9 @@ the same numbers: client 7's batches in round 12 do not depend on who trained be
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import numpy as np
 import torch
 
@@ -26,6 +29,19 @@ def derive_seed(seed: int, *coords: int) -> int:
     """A 63-bit seed from the run seed and integer coordinates (NumPy's SeedSequence hashing)."""
     state = np.random.SeedSequence([int(seed) & 0xFFFFFFFF, *(int(c) for c in coords)]).generate_state(2, np.uint32)
     return int((int(state[0]) << 31) ^ int(state[1])) & ((1 << 63) - 1)
+
+
+@contextlib.contextmanager
+def cpu_seeded(seed: int) -> Iterator[None]:
+    """Run the block with PyTorch's global CPU generator seeded to ``seed``, and put its state back afterwards.
+
+    For code that draws from the global generator and cannot be handed one (``nn.Module`` initialisation).
+    The CPU generator only: ``torch.manual_seed`` would also reseed CUDA's, which ``fork_rng(devices=[])``
+    does not restore, so a model built on a GPU machine would change the run's CUDA stream.
+    """
+    with torch.random.fork_rng(devices=[]):
+        torch.default_generator.manual_seed(seed)
+        yield
 
 
 def make_generator(seed: int, *coords: int, device: str | torch.device = "cpu") -> torch.Generator:
