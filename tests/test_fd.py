@@ -516,3 +516,29 @@ def test_server_step_weighs_ce_and_kd_as_the_loss_style_says(digits, style):
     assert relative_error(steps[style]) < 0.01, relative_error(steps[style])
     other = "code" if style == "paper" else "paper"
     assert relative_error(steps[other]) > 0.05, relative_error(steps[other])  # the two styles are told apart
+
+
+def test_train_pass_knowledge_is_the_training_forward_before_the_step(digits):
+    """fedict.md A11, zs_mode train_pass (the released code): Z_S of client k is the server's train-mode output of the
+    last epoch's training pass, taken before each step; here one batch, so the pre-step model on all features."""
+    import copy
+
+    params = {"server_batch_size": 100_000, "zs_mode": "train_pass"}
+    cfg = fd_config("fedgkt", rounds=1, clients=["fd_resnet4"], params=params, clients_per_round=1, partition__num_clients=1)
+    sim = Simulation(cfg, digits)
+    seen = {}
+    original = sim.algorithm.aggregate
+
+    def capture(server, info, replies):
+        seen["replies"], seen["before"] = dict(replies), copy.deepcopy(server.model)
+        return original(server, info, replies)
+
+    sim.algorithm.aggregate = capture
+    sim.run()
+    (cid, reply), = seen["replies"].items()
+    with torch.no_grad():
+        expected = seen["before"].train()(reply["features"]).float()
+        after_eval = sim.server.model.eval()(reply["features"]).float()
+    knowledge = sim.server.state["knowledge"][cid]
+    torch.testing.assert_close(knowledge, expected, rtol=1e-4, atol=1e-4)
+    assert (knowledge - after_eval).abs().max() > 1e-2  # not the default eval-mode pass after the step

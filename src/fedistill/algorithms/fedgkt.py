@@ -66,6 +66,11 @@ class FedGKTParams(AlgorithmParams):
         "paper",
         description="server loss CE + β·KD (paper: FedICT Eq. 4) or the released code's KD + β·CE (card A1; FedICT A6)",
     )
+    zs_mode: Literal["eval", "train_pass"] = Field(
+        "eval",
+        description="the server's knowledge Z_S: an eval-mode pass after training on client k (Alg. 2 l.16-17), or the "
+        "released code's logits of the last epoch's training pass, train mode, before each step (card A11)",
+    )
     init_knowledge: Literal["none", "uniform"] = Field(
         "none", description="round 1 without server knowledge: CE only (none, code) or a uniform teacher (the FedICT paper's zeros)"
     )
@@ -240,6 +245,10 @@ class FedGKT(Algorithm):
                     )
                 model.train()
                 order = torch.randperm(labels.shape[0], generator=generator)
+                # zs_mode train_pass (the code): the last epoch's training outputs are the knowledge, row by row.
+                passed = torch.empty(0)
+                if epoch == p.server_epochs and p.zs_mode == "train_pass":
+                    passed = torch.empty(labels.shape[0], client_logits.shape[1], device=server.device)
                 for start in range(0, labels.shape[0], batch_size):
                     rows = order[start : start + batch_size]
                     h = self._server_input(server, features[rows])
@@ -247,6 +256,8 @@ class FedGKT(Algorithm):
                         outputs = model(h).float()
                         loss = self.server_ce_weight * F.cross_entropy(outputs, labels[rows].to(server.device))
                         loss = loss + self.server_distillation(server, cid, outputs, client_logits[rows].to(server.device))
+                    if passed.numel():
+                        passed[rows.to(server.device)] = outputs.detach()
                     optimizer.zero_grad(set_to_none=True)
                     loss.backward()
                     optimizer.step()
@@ -254,7 +265,8 @@ class FedGKT(Algorithm):
                     seen += int(rows.numel())
                 if epoch == p.server_epochs:
                     # Alg. 2 l.16-17: right after finishing client k in the last epoch, in eval mode.
-                    server.state["knowledge"][cid] = self._server_logits(server, features)
+                    knowledge = passed.cpu() if passed.numel() else self._server_logits(server, features)
+                    server.state["knowledge"][cid] = knowledge
         server.state["server_momentum"] = momentum_vector(optimizer)
         return {"server_loss": float(loss_sum / max(seen, 1))}
 
