@@ -151,7 +151,7 @@ def test_knowledge_stays_with_its_sample_when_batches_are_shuffled(digits, monke
 
 def test_server_knowledge_row_is_the_server_output_for_that_samples_features(digits):
     """Card invariant 8 / fedgkt 4: ZS[k][i] = W_s(H_i^k) in eval mode, row i for the client's sample i."""
-    cfg = fd_config("fedgkt", rounds=1, clients=["fd_resnet4"])
+    cfg = fd_config("fedgkt", rounds=1, clients=["fd_resnet4"], params={"zs_mode": "eval"})
     sim = Simulation(cfg, digits)
     captured = {}
     algorithm = sim.algorithm
@@ -437,7 +437,7 @@ def test_batchnorm_modes_of_client_and_server_follow_the_card(digits, algorithm)
     Z_s^k in eval mode right after finishing client k (A4 / fedict A11): the answer equals the trained server in
     eval mode. Forward pre-hooks on the first BN layer of each model record the mode of every batch, so a flipped
     ``.train()`` / ``.eval()`` in any of the four phases fails (FedDKC and FedICT inherit FedGKT's loops)."""
-    cfg = fd_config(algorithm, rounds=1, clients=["fd_resnet2"], params={"extract_view": "clean"},
+    cfg = fd_config(algorithm, rounds=1, clients=["fd_resnet2"], params={"extract_view": "clean", "zs_mode": "eval"},
                     partition__num_clients=20, local__batch_size=32)  # fmt: skip
     sim = Simulation(cfg, digits)
     client, cid, info = sim.client_runtime, 0, RoundInfo(1, 0.05)
