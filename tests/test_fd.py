@@ -542,3 +542,26 @@ def test_train_pass_knowledge_is_the_training_forward_before_the_step(digits):
     knowledge = sim.server.state["knowledge"][cid]
     torch.testing.assert_close(knowledge, expected, rtol=1e-4, atol=1e-4)
     assert (knowledge - after_eval).abs().max() > 1e-2  # not the default eval-mode pass after the step
+
+
+def test_a_run_saved_before_zs_mode_existed_keeps_the_knowledge_it_ran_with(tmp_path):
+    """zs_mode's default became train_pass: a saved FedGKT-family config without the key ran with eval-mode
+    knowledge, so a resume continues with it and reproduce/bench do not reuse it as a run of the new default."""
+    import yaml
+
+    from fedistill.config import resolved_config
+    from fedistill.report.rundir import RunDirectory
+    from fedistill.runs import comparable_config
+
+    for algorithm in ("fedgkt", "feddkc", "fedict"):
+        current = fd_config(algorithm).resolved_dict()
+        assert current["algorithm"]["zs_mode"] == "train_pass"
+        old = {**current, "algorithm": {k: v for k, v in current["algorithm"].items() if k != "zs_mode"}}
+        assert resolved_config(old)["algorithm"]["zs_mode"] == "eval"
+        assert comparable_config(old) != comparable_config(current)
+        assert comparable_config(current) == comparable_config(resolved_config(current))  # a new run stays equal
+        (tmp_path / algorithm).mkdir()
+        (tmp_path / algorithm / "config.yaml").write_text(yaml.safe_dump(old))
+        assert RunDirectory(tmp_path / algorithm).read_config()["algorithm"]["zs_mode"] == "eval"
+    fedavg = build_config({"algorithm": {"name": "fedavg"}}).resolved_dict()
+    assert "zs_mode" not in resolved_config(fedavg)["algorithm"]  # other methods are left alone

@@ -640,10 +640,32 @@ def validate_names(cfg: Config) -> None:
     AugmentSpec.from_names(cfg.augmentations())
 
 
+# Defaults that changed after runs were saved: (algorithms, key, the value before). A saved configuration of one
+# of these algorithms without the key was run with the old value, and keeps it when it is resumed or compared,
+# instead of silently taking the new default (a resumed run would change method half-way; reproduce and bench
+# would reuse it as a run of the new default).
+CHANGED_DEFAULTS: tuple[tuple[frozenset[str], str, Any], ...] = (
+    # zs_mode train_pass since 2026-11-26 (issue 25): the key did not exist before, the behaviour was eval.
+    (frozenset({"fedgkt", "feddkc", "fedict"}), "zs_mode", "eval"),
+)
+
+
+def with_saved_defaults(saved: dict[str, Any]) -> dict[str, Any]:
+    """A saved configuration with the defaults it ran with where they have changed since (:data:`CHANGED_DEFAULTS`)."""
+    algorithm = saved.get("algorithm") if isinstance(saved, dict) else None
+    if not isinstance(algorithm, dict):
+        return saved
+    name = algorithm.get("name")
+    old = {key: value for names, key, value in CHANGED_DEFAULTS if name in names and key not in algorithm}
+    return {**saved, "algorithm": {**algorithm, **old}} if old else saved
+
+
 def resolved_config(saved: dict[str, Any]) -> dict[str, Any]:
     """A saved configuration (config.yaml, a checkpoint's) with every default written out
     (:meth:`Config.resolved_dict`), so that one saved before the resolved form existed compares equal to the
-    same run's; as saved if this version cannot read it (it is then reported as different by the caller)."""
+    same run's; as saved if this version cannot read it (it is then reported as different by the caller).
+    A default that changed since the run was saved is the one it ran with (:func:`with_saved_defaults`)."""
+    saved = with_saved_defaults(saved)
     try:
         return Config.model_validate(saved).resolved_dict()
     except (ValidationError, ConfigError):

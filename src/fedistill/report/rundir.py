@@ -90,9 +90,9 @@ class RunDirectory:
         path = self.path / "config.yaml"
         if not path.is_file():
             raise ConfigError(f"resume: {self.path} is not a run directory (no config.yaml)")
-        from ..config import parse_yaml_text
+        from ..config import parse_yaml_text, with_saved_defaults
 
-        return parse_yaml_text(path, _read_text(path), what=f"{path}")
+        return with_saved_defaults(parse_yaml_text(path, _read_text(path), what=f"{path}"))
 
     def begin_resume(self, history: list[dict[str, Any]], restored: bool, rounds: int, changes: list[str]) -> str:
         """Make the directory match the restored state before a resumed run goes on; returns a note to print.
