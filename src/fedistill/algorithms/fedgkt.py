@@ -11,9 +11,11 @@ extractor and a predictor (:mod:`fedistill.models.split`). Each round a client
 3. uploads ``H^k``, ``Z^k`` and the labels ``Y^k`` (every round, as FedGKT's algorithm does, A8).
 
 The server trains its predictor ``W_s`` (``model.server``) on the uploaded features, client after client
-in client-id order, with ``CE + β τ² KL(σ_τ(z_c) ‖ σ_τ(o))``, for ``server_epochs`` epochs; after finishing
-client k in the last epoch it computes ``Z_s^k = W_s(H^k)`` in eval mode (A4) and sends it to client k at
-the start of the next round.
+in client-id order, with ``CE + β τ² KL(σ_τ(z_c) ‖ σ_τ(o))`` (``server_loss_style: code``: ``β CE + τ² KL``),
+for ``server_epochs`` epochs. Its knowledge ``Z_s^k`` for client k (A4) is, by default, its train-mode output on
+each of k's samples in the last epoch's training pass (``zs_mode: train_pass``, the authors' code), or
+``W_s(H^k)`` in eval mode right after finishing client k (``eval``, Alg. 2); it goes to client k at the start of
+the next round.
 
 Knowledge is keyed by sample, never by batch position (A3): a client uploads its samples in the fixed order
 of its index set (``client.train_indices``), the server's answer keeps that order, and in training the
@@ -67,7 +69,7 @@ class FedGKTParams(AlgorithmParams):
         description="server loss CE + β·KD (paper: FedICT Eq. 4) or the released code's KD + β·CE (card A1; FedICT A6)",
     )
     # Default train_pass, the released code's: with the eval-mode pass (the card's first resolution) the server's
-    # BatchNorm statistics mix the features of every client architecture, its knowledge was right on 12-40 % of a
+    # BatchNorm statistics mix the features of every client architecture, its knowledge was right on 12-42 % of a
     # client's own samples after 20 rounds, and FedICT collapsed on 2 of 3 seeds (RESULTS "FedICT's ranking claim").
     zs_mode: Literal["eval", "train_pass"] = Field(
         "train_pass",
@@ -267,7 +269,8 @@ class FedGKT(Algorithm):
                     loss_sum += loss.detach().double() * rows.numel()
                     seen += int(rows.numel())
                 if epoch == p.server_epochs:
-                    # Alg. 2 l.16-17: right after finishing client k in the last epoch, in eval mode.
+                    # Z_S of client k: its rows of the training pass above (train_pass), or Alg. 2 l.16-17's
+                    # eval-mode pass right after finishing client k in the last epoch (eval).
                     knowledge = passed.cpu() if passed.numel() else self._server_logits(server, features)
                     server.state["knowledge"][cid] = knowledge
         server.state["server_momentum"] = momentum_vector(optimizer)
