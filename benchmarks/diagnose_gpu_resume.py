@@ -22,17 +22,16 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from conftest import _digits, small_config  # noqa: E402
 
+from fedistill.config import parse_override  # noqa: E402
 from fedistill.models.flat import get_flat  # noqa: E402
 from fedistill.simulation import Simulation  # noqa: E402
-
-QUICK = {}
 
 
 def digest(t: torch.Tensor) -> str:
     return hashlib.sha256(t.detach().cpu().contiguous().numpy().tobytes()).hexdigest()[:12]
 
 
-def main() -> None:  # noqa: C901
+def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("algorithm", nargs="?", default="dafkd")
     ap.add_argument("--rounds", type=int, default=4)
@@ -49,8 +48,7 @@ def main() -> None:  # noqa: C901
         from test_dafkd import QUICK as quick
     ds = _digits()
     tmp = Path(tempfile.mkdtemp())
-    extra = dict(item.split("=", 1) for item in args.set)
-    extra = {k: (float(v) if v.replace(".", "", 1).isdigit() else v) for k, v in extra.items()}
+    extra = dict(parse_override(item) for item in args.set)
     cfg = lambda rounds, algorithm=args.algorithm: small_config(  # noqa: E731
         rounds=rounds, algorithm=algorithm, **(quick if algorithm == args.algorithm else {}), **extra, **{"run.device": args.device}
     )

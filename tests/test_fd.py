@@ -286,6 +286,8 @@ def test_feddkc_server_term_distils_from_the_kkr_refined_teacher(digits):
     assert (refined >= 0).all()  # no fallback in this example
     expected = 1.5 * _kl(refined.float(), outputs, 3.0)
     torch.testing.assert_close(algo.server_distillation(None, 0, outputs, client_logits), expected, rtol=1e-5, atol=1e-6)
+    code = FedDKC(FedDKC.Params(kd_weight=1.5, kkr_scale=1.0, server_loss_style="code"), None)  # β moves to the CE
+    torch.testing.assert_close(code.server_distillation(None, 0, outputs, client_logits), expected / 1.5, rtol=1e-5, atol=1e-6)
     # SKR: the teacher has the target entropy
     skr = FedDKC(FedDKC.Params(refinement="skr"), None)
     teacher = skr.refined_teacher(client_logits, c)
@@ -479,31 +481,38 @@ def test_batchnorm_modes_of_client_and_server_follow_the_card(digits, algorithm)
     torch.testing.assert_close(sim.server.state["knowledge"][cid], knowledge, rtol=1e-4, atol=1e-4)
 
 
+def _one_server_step(digits, **params):
+    """One FedGKT round of one client whose upload fits one server batch: (simulation, the client's id and upload,
+    a copy of the server model from just before its step)."""
+    import copy
+
+    params = {"server_batch_size": 100_000, **params}
+    cfg = fd_config("fedgkt", rounds=1, clients=["fd_resnet4"], params=params, clients_per_round=1, partition__num_clients=1)
+    sim = Simulation(cfg, digits)
+    seen = {}
+    aggregate = sim.algorithm.aggregate
+
+    def capture(server, info, replies):
+        seen["replies"], seen["before"] = dict(replies), copy.deepcopy(server.model)
+        return aggregate(server, info, replies)
+
+    sim.algorithm.aggregate = capture
+    sim.run()
+    ((cid, reply),) = seen["replies"].items()
+    return sim, cid, reply, seen["before"]
+
+
 @pytest.mark.parametrize("style", ["paper", "code"])
 def test_server_step_weighs_ce_and_kd_as_the_loss_style_says(digits, style):
     """fedgkt.md A1 / fedict.md A6: one server SGD step (one client, one batch, no momentum or decay) equals
     w − η∇[CE + β τ² KL(σ_τ(z_c)‖σ_τ(o))] (paper, Eq. 4) or w − η∇[β CE + τ² KL] (the released code), recomputed
     here from the uploaded features, logits and labels with the card's formulas."""
-    import copy
-
     beta, tau, lr = 1.5, 3.0, 0.05
-    params = {"kd_weight": beta, "temperature": tau, "server_lr": lr, "server_momentum": 0.0, "server_weight_decay": 0.0,
-              "server_batch_size": 100_000, "server_loss_style": style}  # fmt: skip
-    cfg = fd_config("fedgkt", rounds=1, clients=["fd_resnet4"], params=params, clients_per_round=1, partition__num_clients=1)
-    sim = Simulation(cfg, digits)
-    seen = {}
-    original = sim.algorithm.aggregate
-
-    def capture(server, info, replies):
-        seen["replies"] = dict(replies)
-        seen["before"] = copy.deepcopy(server.model)
-        return original(server, info, replies)
-
-    sim.algorithm.aggregate = capture
-    sim.run()
-    (reply,) = seen["replies"].values()
-    model = seen["before"].train()
-    outputs = model(reply["features"]).float()
+    sim, _, reply, model = _one_server_step(
+        digits, kd_weight=beta, temperature=tau, server_lr=lr, server_momentum=0.0, server_weight_decay=0.0,
+        server_loss_style=style,
+    )  # fmt: skip
+    outputs = model.train()(reply["features"]).float()
     ce = F.cross_entropy(outputs, reply["labels"].long())
     kl = _kl(torch.softmax(reply["logits"].float() / tau, dim=1), outputs, tau)
     ce_grad = torch.cat([g.flatten() for g in torch.autograd.grad(ce, list(model.parameters()), retain_graph=True)])
@@ -521,27 +530,13 @@ def test_server_step_weighs_ce_and_kd_as_the_loss_style_says(digits, style):
 def test_train_pass_knowledge_is_the_training_forward_before_the_step(digits):
     """fedict.md A11, zs_mode train_pass (the released code): Z_S of client k is the server's train-mode output of the
     last epoch's training pass, taken before each step; here one batch, so the pre-step model on all features."""
-    import copy
-
-    params = {"server_batch_size": 100_000, "zs_mode": "train_pass"}
-    cfg = fd_config("fedgkt", rounds=1, clients=["fd_resnet4"], params=params, clients_per_round=1, partition__num_clients=1)
-    sim = Simulation(cfg, digits)
-    seen = {}
-    original = sim.algorithm.aggregate
-
-    def capture(server, info, replies):
-        seen["replies"], seen["before"] = dict(replies), copy.deepcopy(server.model)
-        return original(server, info, replies)
-
-    sim.algorithm.aggregate = capture
-    sim.run()
-    (cid, reply), = seen["replies"].items()
+    sim, cid, reply, before = _one_server_step(digits, zs_mode="train_pass")
     with torch.no_grad():
-        expected = seen["before"].train()(reply["features"]).float()
+        expected = before.train()(reply["features"]).float()
         after_eval = sim.server.model.eval()(reply["features"]).float()
     knowledge = sim.server.state["knowledge"][cid]
     torch.testing.assert_close(knowledge, expected, rtol=1e-4, atol=1e-4)
-    assert (knowledge - after_eval).abs().max() > 1e-2  # not the default eval-mode pass after the step
+    assert (knowledge - after_eval).abs().max() > 1e-2  # not the eval-mode pass after the step
 
 
 def test_a_run_saved_before_zs_mode_existed_keeps_the_knowledge_it_ran_with(tmp_path):

@@ -251,9 +251,10 @@ class FedGKT(Algorithm):
                 model.train()
                 order = torch.randperm(labels.shape[0], generator=generator)
                 # zs_mode train_pass (the code): the last epoch's training outputs are the knowledge, row by row.
-                passed = torch.empty(0)
+                passed = None
                 if epoch == p.server_epochs and p.zs_mode == "train_pass":
                     passed = torch.empty(labels.shape[0], client_logits.shape[1], device=server.device)
+                    device_order = order.to(server.device)  # one copy, not one per batch
                 for start in range(0, labels.shape[0], batch_size):
                     rows = order[start : start + batch_size]
                     h = self._server_input(server, features[rows])
@@ -261,8 +262,8 @@ class FedGKT(Algorithm):
                         outputs = model(h).float()
                         loss = self.server_ce_weight * F.cross_entropy(outputs, labels[rows].to(server.device))
                         loss = loss + self.server_distillation(server, cid, outputs, client_logits[rows].to(server.device))
-                    if passed.numel():
-                        passed[rows.to(server.device)] = outputs.detach()
+                    if passed is not None:
+                        passed[device_order[start : start + batch_size]] = outputs.detach()
                     optimizer.zero_grad(set_to_none=True)
                     loss.backward()
                     optimizer.step()
@@ -271,7 +272,7 @@ class FedGKT(Algorithm):
                 if epoch == p.server_epochs:
                     # Z_S of client k: its rows of the training pass above (train_pass), or Alg. 2 l.16-17's
                     # eval-mode pass right after finishing client k in the last epoch (eval).
-                    knowledge = passed.cpu() if passed.numel() else self._server_logits(server, features)
+                    knowledge = passed.cpu() if passed is not None else self._server_logits(server, features)
                     server.state["knowledge"][cid] = knowledge
         server.state["server_momentum"] = momentum_vector(optimizer)
         return {"server_loss": float(loss_sum / max(seen, 1))}
