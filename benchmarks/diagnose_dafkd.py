@@ -13,11 +13,14 @@ writes them as JSON lines to --out when given.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 
 import torch
 
 from fedistill.config import build_config, parse_override, read_yaml
+from fedistill.models.flat import set_flat
+from fedistill.losses import domain_aware_teacher, domain_log_importance
 from fedistill.simulation import Simulation
 from fedistill.runner import load_dataset_for
 
@@ -50,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
         real_inputs, real_labels = sim.server_runtime.test_pipeline.clean_batch(torch.arange(args.real_inputs))
         algorithm.server_distill_inputs = lambda server, rnd: real_inputs
 
-    def before(server, info, replies, row):
+    def before(server, info, replies, row, cids):
         row["refined"] = algorithm.distils(info.round)  # the summary counts the rounds with a distillation
         if row["refined"]:
             x = algorithm.server_distill_inputs(server, info.round)
@@ -65,6 +68,44 @@ def main(argv: list[str] | None = None) -> int:
             )
             if real_labels is not None:
                 row["teacher_target_accuracy"] = 100.0 * float((target.argmax(dim=1) == real_labels).float().mean())
+                row.update(routing(server, x, replies, cids))
+
+    def routing(server, x, replies, cids):
+        """Do the discriminators send each real image to the clients that hold its class (Eq. 7's purpose)?
+        Importance mass on those "holders" against what a uniform α̂ gives, and the target's accuracy with
+        uniform, discriminator and oracle (holders only) weights, in the run's ensemble space and in the other."""
+        holds = torch.as_tensor(sim.federation.class_counts_of(cids) > 0)[:, real_labels]  # (K, N)
+        teacher, discriminator = algorithm._server_teachers(server)
+        logits, disc = [], []
+        with torch.no_grad():
+            for reply in replies:
+                set_flat(teacher, reply["weights"])
+                discriminator.load_vector(reply["discriminator"])
+                z, ell = algorithm.score_inputs(teacher, discriminator, x)
+                logits.append(z)
+                disc.append(ell)
+        logits, log_alpha = torch.stack(logits), domain_log_importance(torch.stack(disc))
+        own = [100.0 * float((z.argmax(1) == real_labels)[h].float().mean()) for z, h in zip(logits, holds) if h.any()]
+        p = algorithm.params
+
+        def target_accuracy(log_weights, space=p.ensemble_space):
+            q = domain_aware_teacher(logits, log_weights, p.temperature, space)
+            return 100.0 * float((q.argmax(1) == real_labels).float().mean())
+
+        uniform = torch.full_like(log_alpha, -math.log(len(replies)))
+        oracle = torch.where(holds, 0.0, -1e9)
+        oracle = oracle - torch.logsumexp(oracle, dim=0, keepdim=True)
+        covered = holds.any(dim=0)
+        return dict(
+            importance_on_holders=float((log_alpha.exp() * holds).sum(0)[covered].mean()),
+            uniform_on_holders=float((holds.sum(0) / len(replies))[covered].mean()),
+            samples_with_a_holder=float(covered.float().mean()),
+            teachers_own_class_accuracy=sum(own) / len(own),
+            target_accuracy_uniform=target_accuracy(uniform),
+            target_accuracy_oracle=target_accuracy(torch.where(covered, oracle, uniform)),
+            target_accuracy_probs=target_accuracy(log_alpha, "probs"),  # Eq. 8's space, the paper's
+            target_accuracy_uniform_probs=target_accuracy(uniform, "probs"),
+        )
 
     watch_refiner(sim, args.rounds, before, lambda *unused: None, args.out)
     return 0
