@@ -546,7 +546,7 @@ def test_a_run_saved_before_zs_mode_existed_keeps_the_knowledge_it_ran_with(tmp_
 
     from fedistill.config import resolved_config
     from fedistill.report.rundir import RunDirectory
-    from fedistill.runs import comparable_config
+    from fedistill.runs import comparable_config, run_state
 
     for algorithm in ("fedgkt", "feddkc", "fedict"):
         current = fd_config(algorithm).resolved_dict()
@@ -558,5 +558,12 @@ def test_a_run_saved_before_zs_mode_existed_keeps_the_knowledge_it_ran_with(tmp_
         (tmp_path / algorithm).mkdir()
         (tmp_path / algorithm / "config.yaml").write_text(yaml.safe_dump(old))
         assert RunDirectory(tmp_path / algorithm).read_config()["algorithm"]["zs_mode"] == "eval"
+        # What reproduce and bench ask of a cell directory: the old run is another configuration, a run saved
+        # by this version (config.yaml is the resolved config) is the same one and is resumed.
+        with pytest.raises(ConfigError, match="another configuration"):
+            run_state(fd_config(algorithm), tmp_path / algorithm, "bench")
+        (tmp_path / f"{algorithm}_new").mkdir()
+        (tmp_path / f"{algorithm}_new" / "config.yaml").write_text(yaml.safe_dump(current))
+        assert run_state(fd_config(algorithm), tmp_path / f"{algorithm}_new", "bench") == "partial"
     fedavg = build_config({"algorithm": {"name": "fedavg"}}).resolved_dict()
     assert "zs_mode" not in resolved_config(fedavg)["algorithm"]  # other methods are left alone

@@ -18,11 +18,23 @@ __all__ = ["comparable_config", "read_saved", "run_state", "ensure_run", "ensure
 
 def comparable_config(config: dict[str, Any]) -> dict[str, Any]:
     """The parts of a saved config that decide its numbers, resolved (every default written out, keys a later
-    version added filled in), so a run saved before a setting existed compares equal to the same run now."""
+    version added filled in), so a run saved before a setting existed compares equal to the same run now.
+    Only for configs read from a run directory: a key they lack takes the default they ran with
+    (config.CHANGED_DEFAULTS); a live config is compared through :func:`live_comparable_config`."""
     from .config import resolved_config
+
+    return _numbers_part(resolved_config(config))
+
+
+def live_comparable_config(cfg) -> dict[str, Any]:
+    """:func:`comparable_config` of the config about to run (its own defaults, today's, written out)."""
+    return _numbers_part(cfg.resolved_dict())
+
+
+def _numbers_part(resolved: dict[str, Any]) -> dict[str, Any]:
     from .engine.checkpoint import comparable_setting
 
-    return {k: comparable_setting(k, v) for k, v in resolved_config(config).items() if k not in ("rounds", "run")}
+    return {k: comparable_setting(k, v) for k, v in resolved.items() if k not in ("rounds", "run")}
 
 
 def read_saved(run_path: Path) -> tuple[dict[str, Any], list[dict[str, Any]], dict[str, Any]]:
@@ -40,7 +52,9 @@ def run_state(cfg, run_path: Path, command: str = "reproduce") -> str:
     if not (run_path / "config.yaml").is_file():
         return "new"
     saved, rows, summary = read_saved(run_path)
-    if comparable_config(saved) != comparable_config(cfg.to_dict()):
+    # Not comparable_config(cfg.to_dict()): that dict leaves the algorithm's defaults out, and a FedGKT-family
+    # config would then take the saved-run default of a key it lacks (zs_mode eval) and refuse its own runs.
+    if comparable_config(saved) != live_comparable_config(cfg):
         changed = "the suite" if command == "bench" else "the preset"
         raise ConfigError(
             f"{command}: {run_path} holds a run with another configuration ({changed} or --set changed); "
