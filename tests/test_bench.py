@@ -122,6 +122,15 @@ def test_one_cell_at_a_time_then_the_rest_reuses_it(tmp_path, capsys):
     stamp = (cell / "metrics.jsonl").stat().st_mtime_ns
     assert main(["bench", str(path), "--out", str(out), "--set", "run.threads=1"]) == 0
     assert (cell / "metrics.jsonl").stat().st_mtime_ns == stamp  # the finished cell was reused, not rerun
+    # FLOPs an earlier version could not count are counted by the next bench; the run itself is reused
+    first = out / "tiny-bench" / "iid" / "FedAvg" / "seed0"
+    counted = json.loads((first / "flops.json").read_text())["flops_per_round"]
+    assert counted > 0
+    (first / "flops.json").write_text(json.dumps({"flops_per_round": None, "error": "RuntimeError: older counter"}))
+    stamp = (first / "metrics.jsonl").stat().st_mtime_ns
+    assert main(["bench", str(path), "--out", str(out), "--set", "run.threads=1"]) == 0
+    assert json.loads((first / "flops.json").read_text())["flops_per_round"] == counted
+    assert (first / "metrics.jsonl").stat().st_mtime_ns == stamp
     assert main(["bench", str(path), "--cell", "99", "--out", str(out)]) == 2
 
 
@@ -235,6 +244,19 @@ def test_round_flops_match_the_logistic_models_count_by_hand():
     for epochs in (1, 3):
         tree = build_config({**base, "local": {"epochs": epochs, "batch_size": 10, "momentum": 0.0}}).resolved_dict()
         assert count_round_flops(tree)["flops_per_round"] == 2400 * n * epochs + 1200 * 500
+
+
+def test_flops_are_counted_through_autograd_grad_on_a_module():
+    """DaFKD's gradient penalty calls torch.autograd.grad: FlopCounterMode's module tracker fails on it, so the
+    bench counts without it. x (2x3, a leaf) through a 3->4 linear layer: the forward matmul 2*2*3*4 = 48 and
+    the input gradient (2x4 @ 4x3) 48 more; the weight's gradient is not asked for."""
+    import torch
+
+    from fedistill.bench import counted_flops
+
+    layer = torch.nn.Linear(3, 4, bias=False)
+    x = torch.randn(2, 3, requires_grad=True)
+    assert counted_flops(lambda: torch.autograd.grad(layer(x).sum(), x, create_graph=True)) == 96
 
 
 def test_ray_runs_the_cells_as_tasks_on_a_local_instance(tmp_path):

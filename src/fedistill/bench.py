@@ -240,7 +240,6 @@ def count_round_flops(config_tree: dict[str, Any]) -> dict[str, Any]:
     counted with ``torch.utils.flop_counter.FlopCounterMode`` on a one-round, one-process copy of the run.
     Only the operations it has formulas for (matmul, convolution, attention: the bulk of the work) count."""
     import torch
-    from torch.utils.flop_counter import FlopCounterMode
 
     from .config import build_config
     from .runner import load_dataset_for
@@ -249,12 +248,42 @@ def count_round_flops(config_tree: dict[str, Any]) -> dict[str, Any]:
     cfg = build_config({**config_tree, "rounds": 1, "run": {**config_tree.get("run", {}), "workers": 1, "checkpoint_every": 0}})
     simulation = Simulation(cfg, load_dataset_for(cfg))
     try:
-        counter = FlopCounterMode(display=False)
-        with counter:
-            simulation.run()
-        return {"flops_per_round": int(counter.get_total_flops()), "torch": torch.__version__}
+        return {"flops_per_round": counted_flops(simulation.run), "torch": torch.__version__}
     finally:
         simulation.close()
+
+
+def _has_flops(path: Path) -> bool:
+    try:
+        return json.loads((path / FLOPS_FILE).read_text()).get("flops_per_round") is not None
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+class _TotalOnly:
+    """Stands in for FlopCounterMode's module tracker, whose backward hooks make ``torch.autograd.grad`` on a
+    leaf fail ("A leaf node was passed to _will_engine_execute_node ...": DaFKD's gradient penalty); the
+    bench needs only the total, which the counter files under "Global"."""
+
+    parents = frozenset({"Global"})
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        return False
+
+
+def counted_flops(work) -> int:
+    """The floating-point operations ``work()`` runs, as torch.utils.flop_counter counts them (no per-module
+    breakdown, so that autograd.grad inside ``work`` is counted too)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    counter = FlopCounterMode(display=False)
+    counter.mod_tracker = _TotalOnly()
+    with counter:
+        work()
+    return int(counter.get_total_flops())
 
 
 def measure_bf16_peak(threads: int, size: int = 2048, seconds: float = 1.0) -> float:
@@ -294,7 +323,7 @@ def _run_cell(config_tree: dict[str, Any], path: str, count_flops: bool = False)
         (Path(path) / NOT_APPLICABLE).write_text(f"{exc}\n")
         return path, time.perf_counter() - start
     seconds = time.perf_counter() - start
-    if count_flops and not (Path(path) / FLOPS_FILE).is_file():
+    if count_flops and not _has_flops(Path(path)):
         try:
             counted = count_round_flops(config_tree)
         except Exception as exc:  # a counter that cannot follow a method is a missing number, not a failed cell
@@ -336,7 +365,10 @@ def bench(
             raise ConfigError(f"bench --cell: {', '.join(map(str, bad))} not in 0..{len(cells) - 1} (fedistill bench {suite.name} --cells lists them)")
     _refuse_changed_cells(cells)
     chosen = [cells[i] for i in only] if only is not None else cells
-    todo = [c for c in chosen if c.why_not is None and c.state() != "done"]
+    first_seed = suite.seeds[0]
+    # A finished first-seed cell whose FLOPs are missing (or could not be counted by an earlier version) is
+    # visited again: the run is reused, only the one-round count runs.
+    todo = [c for c in chosen if c.why_not is None and (c.state() != "done" or (c.seed == first_seed and not _has_flops(c.path)))]
     try:
         root.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -357,7 +389,6 @@ def bench(
             highlight=False,
         )
 
-    first_seed = suite.seeds[0]
     if ray_address is not None:
         for i, (cell, seconds) in enumerate(_run_on_ray(todo, ray_address, int(threads), first_seed), 1):
             finished(cell, seconds, i)
