@@ -106,6 +106,27 @@ def test_bench_runs_every_cell_and_ranks_the_methods(tmp_path, capsys):
     assert "claims (paired over seeds" in out and "beside the tables in leaderboard.md" in out
 
 
+def test_diverged_seeds_are_counted_in_both_tables(tmp_path):
+    """A method whose seeds diverged shows how many beside the seeds that finished, in leaderboard.md and in
+    the HTML alike (the mean is over the others: 62.84 alone with no std would read as one good seed)."""
+    from types import SimpleNamespace
+
+    from fedistill.report.leaderboard import leaderboard_markdown, write_html
+
+    row = {
+        "setting": "lda", "label": "digits LDA", "method": "pFedMe", "seeds": 3, "metric": "personal", "status": "ok",
+        "finished": 3, "diverged": 2, "final_accuracy": 62.84, "final_accuracy_std": None, "best_accuracy": 66.18,
+        "best_accuracy_std": None, "rounds_to_target": None, "reached_target": 0, "mb_per_round": 17.23,
+        "seconds_per_round": 10.2, "why": None, "gflops_per_round": None, "achieved_gflops_per_s": None,
+        "percent_of_bf16_peak": None, "bf16_peak_gflops_per_s": None, "rank": 1,
+    }  # fmt: skip
+    suite = SimpleNamespace(title="t", description="", seeds=[0, 1, 2], target_accuracy=90.0, all_notes=lambda: [],
+                            settings={"lda": SimpleNamespace(label="digits LDA")})  # fmt: skip
+    assert "| 3/3, 2 diverged |" in leaderboard_markdown(suite, [row])
+    page = write_html("t", "", [], {"lda": "digits LDA"}, [row], {}, 90.0, tmp_path / "page.html").read_text()
+    assert "<td>3/3, 2 diverged</td>" in page
+
+
 def test_one_cell_at_a_time_then_the_rest_reuses_it(tmp_path, capsys):
     path = _suite(tmp_path, claims=CLAIMS[:1])
     out = tmp_path / "out"

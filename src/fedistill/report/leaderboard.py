@@ -92,7 +92,7 @@ def write_html(title: str, description: str, notes: list[str], settings: dict[st
                 f"<tr><td>{r.get('rank', '-')}</td><td class='m'>{html.escape(r['method'])}</td><td>{final}</td><td>{best}</td>"
                 f"<td>{_cell(r.get('metric'))}</td><td>{html.escape(reach)}</td><td>{_cell(r.get('mb_per_round'), '.3f')}</td>"
                 f"<td>{_cell(r.get('seconds_per_round'))}</td><td>{_cell(r.get('gflops_per_round'))}</td>"
-                f"<td>{_cell(r.get('percent_of_bf16_peak'), '.1f')}</td><td>{r.get('finished', 0)}/{r['seeds']}</td></tr>"
+                f"<td>{_cell(r.get('percent_of_bf16_peak'), '.1f')}</td><td>{seeds_text(r)}</td></tr>"
             )
         parts.append("</table>")
         figure = figures.get(setting)
@@ -132,6 +132,13 @@ CLAIMS_INTRO = (
 )
 
 
+def seeds_text(row: dict[str, Any]) -> str:
+    """The seeds column: finished of the suite's, and how many of the finished diverged (their accuracy is not
+    in the mean), as the Markdown and the HTML both show it."""
+    diverged = row.get("diverged") or 0
+    return f"{row.get('finished', 0)}/{row['seeds']}" + (f", {diverged} diverged" if diverged else "")
+
+
 def leaderboard_markdown(suite, rows: list[dict[str, Any]], claims: list[dict[str, Any]] | None = None) -> str:
     """leaderboard.md: per setting, the ranked table (fedistill.bench.Suite ``suite``), then the verdicts of
     the suite's claims (report/claims.py rows)."""
@@ -160,7 +167,7 @@ def leaderboard_markdown(suite, rows: list[dict[str, Any]], claims: list[dict[st
                 lines.append(f"| - | {r['method']} | n/a: {r['why'].replace('|', '/')} | | | | | | | | |")
                 continue
             reach = "-" if r["reached_target"] is None else (f"{r['rounds_to_target']:.1f} ({r['reached_target']})" if r["rounds_to_target"] is not None else f"n/r ({r['reached_target']})")
-            seeds = f"{r['finished']}/{r['seeds']}" + (f", {r['diverged']} diverged" if r["diverged"] else "")
+            seeds = seeds_text(r)
             lines.append(
                 f"| {r.get('rank', '-')} | {r['method']} | {format_stat({'mean': r['final_accuracy'], 'std': r['final_accuracy_std']})} | "
                 f"{format_stat({'mean': r['best_accuracy'], 'std': r['best_accuracy_std']})} | {r['metric']} | {reach} | {_num(r['mb_per_round'], '.3f')} | "
