@@ -37,7 +37,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--real-inputs", type=int, default=0, metavar="N",
         help="distil on the first N real training images (labels unused) instead of the generator's samples; "
-        "reports how often the teachers' mixed target is right on them",
+        "reports how often the teachers' mixed target is right on them and whether Eq. 7's importance sends "
+        "each image to the clients holding its class (against uniform and oracle weights)",
     )  # fmt: skip
     args = parser.parse_args(argv)
     overrides = ["algorithm.name=dafkd", f"rounds={args.rounds}", f"seed={args.seed}", "run.progress=false", *args.set]
