@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     ftg = fedftg_part(sim.algorithm)
     before_weights: dict[str, torch.Tensor] = {}
 
-    def before(server, info, replies, row):
+    def before(server, info, replies, row, cids):
         before_weights["w"] = get_flat(server.model)
         row["teacher_mean_acc"], row["teacher_best_acc"] = ensemble_accuracies(
             server.model, [r["weights"] for r in replies], runtime.test_pipeline.test_batches(500), server.device
@@ -108,15 +108,9 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _takes_cids(hook) -> bool:
-    import inspect
-
-    return len(inspect.signature(hook).parameters) == 5
-
-
 def watch_refiner(sim, rounds: int, before, after, out: str | None) -> list[dict]:
     """Run ``rounds`` rounds of ``sim`` with its algorithm's ``refine`` wrapped: the global model's accuracy
-    before and after it, plus what ``before(server, info, replies, row[, cids])`` and ``after(server, info, replies, row,
+    before and after it, plus what ``before(server, info, replies, row, cids)`` and ``after(server, info, replies, row,
     metrics)`` add to the round's row; one JSON line a round, a summary, and the rows as JSON lines in ``out``."""
     algorithm, runtime = sim.algorithm, sim.server_runtime
     original_refine = algorithm.refine
@@ -124,7 +118,7 @@ def watch_refiner(sim, rounds: int, before, after, out: str | None) -> list[dict
 
     def refine(server, info, replies, cids):
         row = {"round": info.round, "acc_average": runtime.evaluate_global()[0]}
-        before(server, info, replies, row, cids) if _takes_cids(before) else before(server, info, replies, row)
+        before(server, info, replies, row, cids)
         metrics = original_refine(server, info, replies, cids)
         row["acc_after_refine"] = runtime.evaluate_global()[0]
         after(server, info, replies, row, metrics)
