@@ -17,7 +17,7 @@ from fedistill.config import build_config
 from fedistill.data.dataset import Dataset
 from fedistill.data.pipeline import TensorPipeline
 from fedistill.simulation import Simulation
-from fedistill.errors import ConfigError
+from fedistill.errors import ConfigError, TrainingDiverged
 from fedistill.models.flat import get_flat, set_flat, trainable_mask
 
 
@@ -241,6 +241,14 @@ def test_invalid_parameters_are_refused():
     for key, value in (("lam", -1.0), ("personal_lr", -0.1), ("inner_steps", 0), ("beta", -0.5)):
         with pytest.raises(ConfigError):
             pfedme_config(**{f"algorithm.{key}": value})
+
+
+def test_a_diverging_run_names_the_personal_lr(digits, tmp_path):
+    """η_p·λ = 750: every inner step multiplies θ − w by about −749, so θ (and w with it) overflows in round 1;
+    local.lr is not what to lower, and the error says which step size is."""
+    cfg = pfedme_config(**{"algorithm.personal_lr": 50.0, "rounds": 2})
+    with pytest.raises(TrainingDiverged, match=r"round 1: .*local\.lr \(now 0\.05\) or algorithm\.personal_lr \(now 50\)"):
+        Simulation(cfg, digits, run_dir=tmp_path).run()
 
 
 # -- end to end ------------------------------------------------------------------------------------------------

@@ -204,6 +204,12 @@ class Algorithm:
         """Update the global model from the replies (given in client-id order); return metrics."""
         raise NotImplementedError
 
+    def step_sizes(self) -> dict[str, float]:
+        """The method's own step sizes besides ``local.lr``, as ``{config key: value}``: a run that diverges names
+        them beside local.lr in its error, since lowering local.lr alone may not help (pFedMe's inner steps run at
+        ``algorithm.personal_lr``)."""
+        return {}
+
     # -- personalised evaluation of "assembled" models ---------------------------------------------------------
     def personal_message(self, server: ServerContext, info: RoundInfo, cid: int) -> Message:
         """What client ``cid`` needs after round ``info.round``'s aggregation to assemble its personalised model:

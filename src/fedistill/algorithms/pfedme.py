@@ -121,6 +121,11 @@ class PFedMe(FedAvg):
     def server_optimizer(self, server: ServerContext) -> ServerOptimizer:
         return ServerMixing(self.params.beta)
 
+    def step_sizes(self) -> dict[str, float]:
+        """η_p: each inner step contracts θ − θ* only while η_p·(λ + curvature) < 2 (with λ = 15 and η_p = 0.09,
+        curvature above 7.2 already diverges), so a diverging pFedMe usually needs a smaller personal_lr."""
+        return {"algorithm.personal_lr": self.params.personal_lr}
+
     # -- client ---------------------------------------------------------------------------------
     def local_update(self, client: ClientContext, info: RoundInfo, msg: Message) -> Message:
         p = self.params

@@ -247,7 +247,8 @@ class ServerRuntime:
             if self.checkpoint_path and self.checkpoint_path.exists()
             else "no checkpoint was written"
         )
-        raise TrainingDiverged(f"round {rnd}: {what}; {where}. Lower local.lr (now {info.lr:g}) or check the data.")
+        knobs = [f"local.lr (now {info.lr:g})"] + [f"{key} (now {value:g})" for key, value in self.algorithm.step_sizes().items()]
+        raise TrainingDiverged(f"round {rnd}: {what}; {where}. Lower {' or '.join(knobs)}, or check the data.")
 
     def complete_round(
         self,
