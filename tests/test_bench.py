@@ -12,7 +12,7 @@ import yaml
 
 from conftest import child_processes, live_processes
 
-from fedistill.bench import available_suites, bench, load_suite, suite_cells
+from fedistill.bench import available_suites, bench, estimate_remaining, load_suite, suite_cells
 from fedistill.cli import main
 from fedistill.errors import ConfigError
 
@@ -344,3 +344,13 @@ def test_a_terminated_or_killed_bench_stops_its_cells_and_continues(tmp_path):
             os.kill(pid, signal.SIGKILL)
     rows = [json.loads(line)["round"] for line in cells[0].read_text().splitlines()]
     assert rows == list(range(1, len(rows) + 1))  # one run, continued, no round written twice
+
+
+def test_eta_expects_each_cell_to_take_its_methods_mean():
+    """By hand: method a took 10 and 20 s (mean 15), b 60 s, the overall mean is 30 s; four cells left (a, b and
+    two of c, which has none finished), two at a time: (15 + 60 + 30 + 30) / 2 = 67.5 s (one mean over every cell
+    would say 30 * 4 / 2 = 60)."""
+    finished = [("a", 10.0), ("a", 20.0), ("b", 60.0)]
+    assert estimate_remaining(finished, ["a", "b", "c", "c"], jobs=2) == 67.5
+    assert estimate_remaining(finished, [], jobs=2) == 0.0
+    assert estimate_remaining([], ["a"], jobs=1) == 0.0

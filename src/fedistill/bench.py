@@ -377,12 +377,12 @@ def bench(
         f"[bold]{suite.name}[/]: {len(cells)} cells ({sum(c.why_not is not None for c in cells)} n/a), "
         f"{len(todo)} to run, {jobs} at a time with {threads} thread(s) each -> {root}"
     )
-    started, durations = time.perf_counter(), []
+    started, durations, waiting = time.perf_counter(), [], {c.index: c.method for c in todo}
 
     def finished(cell: Cell, seconds: float, done: int) -> None:
-        durations.append(seconds)
-        left = len(todo) - done
-        eta = statistics.fmean(durations) * left / jobs
+        durations.append((cell.method, seconds))
+        waiting.pop(cell.index, None)
+        eta = estimate_remaining(durations, list(waiting.values()), jobs)
         console.print(
             f"cell {cell.index} {cell.setting} / {cell.method} / seed {cell.seed}: {_final_text(cell)} in {seconds:.0f} s "
             f"({done}/{len(todo)}; ETA {_duration(eta)})",
@@ -459,6 +459,21 @@ def _refuse_changed_cells(cells: list[Cell]) -> None:
     for cell in cells:
         if cell.why_not is None:
             run_state(cell.config, cell.path, "bench")  # the one comparison reproduce makes too
+
+
+def estimate_remaining(durations: list[tuple[str, float]], methods_left: list[str], jobs: int) -> float:
+    """Seconds until the cells of ``methods_left`` (one entry per unfinished cell) are done, ``jobs`` at a time:
+    each cell is expected to take the mean of its method's finished cells, or of all finished cells while its
+    method has none. Per method because the suite's methods differ twentyfold (FedAvg against the FD family), so
+    one mean over everything swings with whichever method ran last."""
+    if not durations:
+        return 0.0
+    by_method: dict[str, list[float]] = {}
+    for method, seconds in durations:
+        by_method.setdefault(method, []).append(seconds)
+    overall = statistics.fmean(seconds for _, seconds in durations)
+    expected = sum(statistics.fmean(by_method[m]) if m in by_method else overall for m in methods_left)
+    return expected / jobs
 
 
 def _duration(seconds: float) -> str:
