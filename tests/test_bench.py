@@ -12,7 +12,7 @@ import yaml
 
 from conftest import child_processes, live_processes
 
-from fedistill.bench import available_suites, bench, estimate_remaining, load_suite, suite_cells
+from fedistill.bench import available_suites, bench, best_bf16_peak, estimate_remaining, load_suite, suite_cells
 from fedistill.cli import main
 from fedistill.errors import ConfigError
 
@@ -354,3 +354,12 @@ def test_eta_expects_each_cell_to_take_its_methods_mean():
     assert estimate_remaining(finished, ["a", "b", "c", "c"], jobs=2) == 67.5
     assert estimate_remaining(finished, [], jobs=2) == 0.0
     assert estimate_remaining([], ["a"], jobs=1) == 0.0
+
+
+def test_the_bf16_peak_is_the_best_any_bench_of_the_directory_measured(tmp_path):
+    """A reading taken while other work held the cores never lowers the peak every "% of peak" is relative to."""
+    assert best_bf16_peak(tmp_path, 180.0) == 180.0
+    assert best_bf16_peak(tmp_path, 82.0) == 180.0  # a loaded machine's reading
+    assert best_bf16_peak(tmp_path, 195.0) == 195.0
+    (tmp_path / "bf16_peak.json").write_text("not json")
+    assert best_bf16_peak(tmp_path, 90.0) == 90.0  # unreadable: the fresh measurement stands
