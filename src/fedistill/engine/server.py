@@ -247,7 +247,8 @@ class ServerRuntime:
             if self.checkpoint_path and self.checkpoint_path.exists()
             else "no checkpoint was written"
         )
-        knobs = [f"local.lr (now {info.lr:g})"] + [f"{key} (now {value:g})" for key, value in self.algorithm.step_sizes().items()]
+        own = getattr(self.algorithm, "step_sizes", dict)()  # a plugin that does not subclass Algorithm names none
+        knobs = [f"local.lr (now {info.lr:g})"] + [f"{key} (now {value:g})" for key, value in own.items()]
         raise TrainingDiverged(f"round {rnd}: {what}; {where}. Lower {' or '.join(knobs)}, or check the data.")
 
     def complete_round(
