@@ -156,8 +156,11 @@ def main() -> None:
     ap.add_argument("--only", action="append", choices=["mnist", "resnet18", "none"], help="none: only --server-methods")
     ap.add_argument("--cpu-steps", type=int, default=0)
     ap.add_argument("--server-methods", type=int, default=0, metavar="ROUNDS", help="also FedFTG, DaFKD and FedICT for ROUNDS rounds")
+    ap.add_argument("--graphs", action="store_true", help="also each precision with run.cuda_graphs (the captured client step)")
+    ap.add_argument("--precisions", default="fp32,bf16")
     ap.add_argument("--json")
     args = ap.parse_args()
+    variants = [(p, False) for p in args.precisions.split(",")] + ([(p, True) for p in args.precisions.split(",")] if args.graphs else [])
     results: dict = {
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "torch": torch.__version__,
@@ -170,10 +173,11 @@ def main() -> None:
             continue
         protocol, dataset = workload(name, args.data_dir)
         if torch.cuda.is_available():
-            for precision in ("fp32", "bf16"):
-                print(f"{name} cuda {precision}", flush=True)
-                results["runs"][f"{name}-cuda-{precision}"] = run(
-                    protocol, dataset, {"run.device": "cuda", "run.precision": precision}, args.rounds
+            for precision, graphs in variants:
+                label = precision + ("+graphs" if graphs else "")
+                print(f"{name} cuda {label}", flush=True)
+                results["runs"][f"{name}-cuda-{label}"] = run(
+                    protocol, dataset, {"run.device": "cuda", "run.precision": precision, "run.cuda_graphs": graphs}, args.rounds
                 )
         if args.cpu_steps:
             for precision in ("fp32", "bf16"):

@@ -7,7 +7,10 @@
 #      fp32 and bf16; FedFTG, DaFKD and FedICT rounds with their server seconds);
 #   2. benchmarks/profile_gpu_round.py: GPU busy share and the host's waits in one FedAvg round;
 #   3. kill and resume through the CLI on the GPU, compared with an uninterrupted run;
-#   4. the test suite with CUDA visible (tests/test_cuda.py runs only here).
+#   4. the test suite with CUDA visible (tests/test_cuda.py runs only here);
+#   graphs (not in the default stages): run.cuda_graphs against the eager step, speed (FedAvg on the MNIST protocol
+#   in fp32 and bf16, ResNet-18 in fp32) and the profile's GPU busy share, eager and with graphs.
+# RUN_SET adds settings to the kill-and-resume runs, e.g. RUN_SET="--set run.cuda_graphs=true".
 set -u
 DATA=${DATA:-../shared/data}
 OUT=${OUT:-gpu_out}
@@ -17,6 +20,7 @@ STAGES=${STAGES:-"speed profile resume tests"}  # a subset reruns what a fix tou
 TESTS=${TESTS:-tests/}
 SPEED_ARGS=${SPEED_ARGS:-"--rounds 4 --server-methods 2"}  # e.g. "--only none --server-methods 3": the server-side methods alone
 SPEED_LIMIT=${SPEED_LIMIT:-150}
+RUN_SET=${RUN_SET:-}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD/benchmarks${PYTHONPATH:+:$PYTHONPATH}"
 stage() { echo "== $1 $(date +%T)"; }
@@ -35,9 +39,17 @@ want profile && { stage profile
 timeout 70 $PY benchmarks/profile_gpu_round.py --data-dir "$DATA" --json "$OUT/profile.json" > "$OUT/profile.txt" 2>&1
 echo "profile exit $?"; head -n 14 "$OUT/profile.txt"; grep -A8 "^synchronising" "$OUT/profile.txt"; }
 
+want graphs && { stage "graphs: speed"
+{ timeout 90 $PY benchmarks/bench_gpu.py --data-dir "$DATA" --only mnist --graphs --rounds 4
+  timeout 90 $PY benchmarks/bench_gpu.py --data-dir "$DATA" --only resnet18 --precisions fp32 --graphs --rounds 3; } > "$OUT/graphs_speed.txt" 2>&1
+echo "exit $?"; grep -E "^\| (mnist|resnet18)|Error|error" "$OUT/graphs_speed.txt" | head -n 20
+stage "graphs: profile"
+{ for flag in "" --cuda-graphs; do echo "### profile fp32 $flag"; timeout 60 $PY benchmarks/profile_gpu_round.py --data-dir "$DATA" --precision fp32 $flag; done; } > "$OUT/graphs_profile.txt" 2>&1
+grep -E "^###|round_wall_s|gpu_busy|kernel_launches|sync_total|Error" "$OUT/graphs_profile.txt"; }
+
 want resume && { stage "kill and resume"
 RUNS=$(mktemp -d)
-COMMON=(--dataset mnist --data-dir "$DATA" --clients 20 --clients-per-round 5 --epochs 1 --set run.device=$DEVICE --set run.checkpoint_every=1 --no-progress -q)
+COMMON=(--dataset mnist --data-dir "$DATA" --clients 20 --clients-per-round 5 --epochs 1 --set run.device=$DEVICE --set run.checkpoint_every=1 $RUN_SET --no-progress -q)
 timeout 60 $PY -m fedistill.cli run "${COMMON[@]}" --rounds 10 --out "$RUNS" --name straight > /dev/null 2>&1
 $PY -m fedistill.cli run "${COMMON[@]}" --rounds 10 --out "$RUNS" --name killed > /dev/null 2>&1 &
 pid=$!
@@ -59,7 +71,7 @@ EOF
 }
 
 want tests && { stage tests
-timeout 180 $PY -m pytest -n 14 -p no:cacheprovider -rfEs $TESTS \
+timeout ${TESTS_LIMIT:-180} $PY -m pytest -n 14 -p no:cacheprovider -rfEs $TESTS \
   --ignore=tests/test_flower.py --ignore=tests/test_flower_safety.py --ignore=tests/test_flower_longrunning.py \
   > "$OUT/tests.txt" 2>&1
 echo "pytest exit $?"; grep -E "passed|failed|error" "$OUT/tests.txt" | tail -n 3; grep -E "^(FAILED|ERROR)" "$OUT/tests.txt" | head -n 30; }

@@ -43,13 +43,14 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--data-dir", default="../shared/data")
     ap.add_argument("--precision", default="bf16", choices=["fp32", "bf16"])
+    ap.add_argument("--cuda-graphs", action="store_true", help="run.cuda_graphs: the clients' step replayed from a graph")
     ap.add_argument("--json")
     ap.add_argument("--trace", help="also write the round's Chrome trace here")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("profile_gpu_round.py needs a CUDA device")
 
-    cfg = build_config(PROTOCOL, {"rounds": 5, "run.device": "cuda", "run.precision": args.precision})
+    cfg = build_config(PROTOCOL, {"rounds": 5, "run.device": "cuda", "run.precision": args.precision, "run.cuda_graphs": args.cuda_graphs})
     dataset = load_dataset("mnist", args.data_dir)
     federation = build_federation(cfg, dataset)
     sim = Simulation(cfg, dataset, federation=federation)
@@ -72,6 +73,7 @@ def main() -> None:
         "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "precision": args.precision,
+        "cuda_graphs": args.cuda_graphs,
         "round_wall_s": wall,
         "round_seconds_row": row["seconds"],
         "eval_seconds_row": row["eval_seconds"],

@@ -148,3 +148,52 @@ def test_building_a_run_leaves_the_cuda_generator_alone(digits):
     torch.cuda.manual_seed(1234)
     Simulation(small_config(rounds=1, **ON_GPU, **{"algorithm.name": "dafkd"}, **DAFKD_QUICK), digits).run_round(1)
     assert torch.equal(torch.rand(4, device="cuda"), expected)
+
+
+# -- run.cuda_graphs: the clients' plain SGD step replayed from one captured graph ------------------------------------
+GRAPHS = {"run.cuda_graphs": True}
+# Momentum and weight decay in the captured optimizer, lr decay (a new capture every round), partial last batches
+# (the digits clients' sizes are not multiples of 32), E = 2.
+GRAPH_RUN = {"local.epochs": 2, "local.momentum": 0.9, "local.weight_decay": 1e-3, "local.lr_decay": 0.9}
+
+
+def _graphs_against_eager(digits, rounds=3, **overrides):
+    eager = Simulation(small_config(rounds=rounds, **GRAPH_RUN, **overrides, **ON_GPU), digits)
+    graphed = Simulation(small_config(rounds=rounds, **GRAPH_RUN, **overrides, **ON_GPU, **GRAPHS), digits)
+    gaps = []
+    for rnd in range(1, rounds + 1):
+        eager.run_round(rnd)
+        graphed.run_round(rnd)
+        gaps.append(float((get_flat(eager.server.model) - get_flat(graphed.server.model)).abs().max()))
+    return eager, graphed, gaps
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_cuda_graphs_replay_the_eager_step(digits, precision):
+    """The captured step is the eager step's kernels on the same tensors: the global model after each round is the
+    eager run's (a graph that kept the warm-up's weights, a stale momentum or a stale learning rate would be off
+    by far more than rounding)."""
+    _, _, gaps = _graphs_against_eager(digits, **{"run.precision": precision})
+    assert max(gaps) < 1e-4, gaps
+
+
+def test_cuda_graphs_give_the_eager_bits(digits):
+    """Stronger than the above, and what lets a run switch to graphs without changing its numbers: bit for bit."""
+    _, _, gaps = _graphs_against_eager(digits)
+    assert max(gaps) == 0.0, gaps
+
+
+def test_cuda_graphs_with_batchnorm_and_a_clip(digits):
+    """BatchNorm's running statistics update inside the graph; the clip is captured too (FedAvg's grad_clip)."""
+    _, _, gaps = _graphs_against_eager(digits, rounds=2, **{"model.name": "resnet8", "algorithm.grad_clip": 1.0})
+    assert max(gaps) < 1e-4, gaps
+
+
+def test_cuda_graphs_resume_bitwise(digits, tmp_path):
+    assert_resume_is_exact(digits, tmp_path, "fedavgm", server_keys=("server_momentum",), **GRAPH_RUN, **ON_GPU, **GRAPHS)
+
+
+def test_cuda_graphs_leave_the_other_methods_eager_and_correct(digits):
+    """FedProx's proximal term reads the round's broadcast weights: its step stays eager, so graphs change nothing."""
+    _, _, gaps = _graphs_against_eager(digits, rounds=2, **{"algorithm.name": "fedprox", "algorithm.mu": 0.1})
+    assert max(gaps) == 0.0, gaps

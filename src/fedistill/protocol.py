@@ -113,6 +113,8 @@ class ClientContext:
     # How ``state`` is kept between rounds (run.client_state_dtype): "bf16" rounds its float32 tensors when
     # saved. A client uploading the change of a state entry computes it from engine.state_store.as_stored.
     state_dtype: str = "fp32"
+    # run.cuda_graphs: local_sgd replays its plain step from a captured CUDA graph (engine/cuda_graphs.py)
+    cuda_graphs: bool = False
 
     @property
     def num_samples(self) -> int:

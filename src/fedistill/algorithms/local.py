@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..engine.cuda_graphs import GraphedSGDStep, StepKey, graphed_sgd_step
 from ..engine.evaluation import Evaluation, autocast_context, evaluate  # noqa: F401  (the methods import them from here)
 from .base import ClientContext
 
@@ -73,33 +74,51 @@ def local_sgd(
     """Train ``client.model`` in place for ``epochs`` passes over the client's data."""
     model = client.model
     model.train()
-    # The fused kernel does weight decay, momentum and the update in one pass per tensor, without the
-    # temporary gradient copies of the default implementation: on CPU the optimizer step of the FedLMD
-    # CNN is memory-bound and was up to half of the step time (benchmarks/RESULTS.md).
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay, **fused(client.device))
+
+    def new_optimizer(module: nn.Module) -> torch.optim.Optimizer:
+        # The fused kernel does weight decay, momentum and the update in one pass per tensor, without the
+        # temporary gradient copies of the default implementation: on CPU the optimizer step of the FedLMD
+        # CNN is memory-bound and was up to half of the step time (benchmarks/RESULTS.md).
+        return torch.optim.SGD(module.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay, **fused(client.device))
+
+    # run.cuda_graphs: the plain step (no loss term, logit transform or gradient correction, which read tensors
+    # that change between clients) is replayed from one CUDA graph per full batch (engine/cuda_graphs.py).
+    graphs = (
+        client.cuda_graphs and extra_loss is None and logit_transform is None and before_step is None and not with_features
+    )
+    graphed: GraphedSGDStep | None = None
+    optimizer: torch.optim.Optimizer | None = None
     # On the client's device: a CPU accumulator would copy (and so synchronise) an accelerator's loss every step.
     loss_sum = torch.zeros((), dtype=torch.float64, device=client.device)
     steps = seen = 0
     for _ in range(epochs):
         for x, y in client.data.epoch_batches(client.train_indices, batch_size, client.generator):
-            with autocast_context(client.precision, client.device):
-                if with_features:  # one forward: features for the loss term, logits from them
-                    features = model.extract(x)
-                    logits = model.classify(features)
-                else:
-                    features, logits = None, model(x)
-                # A logit transform (FedRS's restricted softmax) changes only what the CE sees.
-                ce_logits = logits.float() if logit_transform is None else logit_transform(logits.float())
-                loss = F.cross_entropy(ce_logits, y)
-                if extra_loss is not None:
-                    loss = loss + extra_loss(model, x, y, logits, features)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            if before_step is not None:  # gradient corrections (SCAFFOLD) act on .grad before the step
-                before_step(model)
-            if grad_clip is not None:
-                nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
-            optimizer.step()
+            if graphs and graphed is None and optimizer is None and x.shape[0] == batch_size:
+                key = StepKey(tuple(x.shape), x.dtype, y.dtype, lr, momentum, weight_decay, grad_clip, client.precision)
+                graphed = graphed_sgd_step(model, key, new_optimizer, x, y)
+            if graphed is not None:  # the client's last partial batch runs the same step eagerly
+                loss = graphed.step(model, x, y)
+            else:
+                if optimizer is None:
+                    optimizer = new_optimizer(model)
+                with autocast_context(client.precision, client.device):
+                    if with_features:  # one forward: features for the loss term, logits from them
+                        features = model.extract(x)
+                        logits = model.classify(features)
+                    else:
+                        features, logits = None, model(x)
+                    # A logit transform (FedRS's restricted softmax) changes only what the CE sees.
+                    ce_logits = logits.float() if logit_transform is None else logit_transform(logits.float())
+                    loss = F.cross_entropy(ce_logits, y)
+                    if extra_loss is not None:
+                        loss = loss + extra_loss(model, x, y, logits, features)
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                if before_step is not None:  # gradient corrections (SCAFFOLD) act on .grad before the step
+                    before_step(model)
+                if grad_clip is not None:
+                    nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+                optimizer.step()
             # Accumulate on-device; a single .item() at the end avoids a sync per step.
             loss_sum += loss.detach().double() * y.shape[0]
             steps += 1

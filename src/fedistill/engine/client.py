@@ -92,6 +92,7 @@ class ClientRuntime:
             initial_weights=self.initial_weights_of[name],
             round=rnd,
             state_dtype=self.cfg.run.client_state_dtype,
+            cuda_graphs=self.cfg.run.cuda_graphs,
         )
 
     def update(self, cid: int, info: RoundInfo, msg: Message, state: dict[str, Any]) -> Message:

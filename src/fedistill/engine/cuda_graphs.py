@@ -1,0 +1,148 @@
+"""A client's SGD step captured as one CUDA graph (``run.cuda_graphs``, issue 29).
+
+On a GPU the small CNNs of the papers' MNIST protocols are launch-bound: a FedAvg round on an H200 kept the GPU
+busy 8-9 % of the time, with about 112 kernel launches per training step at about 46 µs of host time each
+(benchmarks/RESULTS.md "The GPU path"). Capturing forward, cross-entropy, backward and the optimizer step once
+and replaying them turns those launches into one graph launch per step; the arithmetic is the same kernels on the
+same tensors.
+
+What a capture needs, and how this module meets it:
+
+- **Fixed tensors.** A graph replays on the memory it was captured with. The worker model is reused for every
+  client (weights loaded in place by ``set_flat``), so its parameters keep their storage; the batch is copied
+  into a static input. Only full batches of the captured size replay; a client's last partial batch runs the
+  same step eagerly on the same optimizer.
+- **A persistent optimizer.** ``local_sgd`` makes a new SGD (empty momentum) for every client and round; here
+  one optimizer lives with the graph and its momentum buffers are zeroed at each client's start. With dampening
+  0, PyTorch's first step sets ``buf = g``; from a zero buffer the update computes ``ρ·0 + g = g``, the same
+  number, so the trajectory is the one a fresh optimizer gives (tests/test_cuda_graphs.py checks it on CPU).
+- **Warm-up without side effects.** CUDA wants a few eager iterations on a side stream before capture (lazy
+  cuBLAS/autograd state, the optimizer's buffers). They are real steps on the current batch, so the model's
+  parameters and buffers are saved first and restored after capture: whether a step is the process's first
+  capture or not changes nothing in the run, so a resumed run equals an uninterrupted one.
+- **Constants.** The learning rate, momentum, weight decay, clip and precision are baked into the captured
+  kernels: they are part of the key, and a change (a decayed learning rate in the next round) captures anew.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..errors import ConfigError
+
+Optimizers = Callable[[nn.Module], torch.optim.Optimizer]
+
+WARMUP_STEPS = 3  # eager iterations on a side stream before the capture (PyTorch's CUDA graphs notes use 3)
+
+
+@dataclass(frozen=True)
+class StepKey:
+    """Everything that is baked into a captured step: a different value needs a new capture."""
+
+    x_shape: tuple[int, ...]
+    x_dtype: torch.dtype
+    y_dtype: torch.dtype
+    lr: float
+    momentum: float
+    weight_decay: float
+    grad_clip: float | None
+    precision: str
+
+
+class GraphedSGDStep:
+    """One captured training step of ``model`` on batches of one shape, with its own SGD optimizer."""
+
+    def __init__(self, model: nn.Module, key: StepKey, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor):
+        dropout = [name for name, m in model.named_modules() if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0]
+        if dropout:
+            # Its masks would come from CUDA's generator inside the graph and in the warm-up, which this module
+            # does not put back: a resumed run would draw other masks.
+            raise ConfigError(
+                f"run.cuda_graphs does not support models with dropout ({', '.join(dropout[:3])}); drop run.cuda_graphs"
+            )
+        self.key = key
+        self.optimizer = optimizer
+        self.static_x = torch.empty_like(x)
+        self.static_y = torch.empty_like(y)
+        self.static_x.copy_(x)
+        self.static_y.copy_(y)
+        saved = [t.detach().clone() for t in _state_tensors(model)]
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(WARMUP_STEPS):
+                self._step(model, self.static_x, self.static_y)
+        torch.cuda.current_stream().wait_stream(side)
+        # The captured backward must create the gradients in the graph's pool (AccumulateGrad "steals" them).
+        optimizer.zero_grad(set_to_none=True)
+        self.graph = torch.cuda.CUDAGraph()
+        # thread_local: another thread's CUDA call (a client state written to disk) does not break the capture.
+        with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
+            self.static_loss = self._step(model, self.static_x, self.static_y, zero_grad=False)
+        with torch.no_grad():  # undo the warm-up: the run continues from the weights it had
+            for t, s in zip(_state_tensors(model), saved):
+                t.copy_(s)
+
+    def _step(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, zero_grad: bool = True) -> torch.Tensor:
+        """The step ``local_sgd`` takes (fedavg.md §3): mean CE on the batch, backward, optional clip, SGD."""
+        key = self.key
+        if zero_grad:
+            self.optimizer.zero_grad(set_to_none=True)
+        # No autocast weight cache: a cached cast would be captured once and not refreshed as the weights move.
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=key.precision == "bf16", cache_enabled=False):
+            loss = F.cross_entropy(model(x).float(), y)
+        loss.backward()
+        if key.grad_clip is not None:
+            nn.utils.clip_grad_norm_(model.parameters(), key.grad_clip)
+        self.optimizer.step()
+        return loss
+
+    def start_client(self) -> None:
+        reset_momentum(self.optimizer)
+
+    def step(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """One training step on ``(x, y)``: the graph when the batch has the captured shape, else eagerly."""
+        if tuple(x.shape) == self.key.x_shape:
+            self.static_x.copy_(x)
+            self.static_y.copy_(y)
+            self.graph.replay()
+            return self.static_loss
+        return self._step(model, x, y)
+
+
+def reset_momentum(optimizer: torch.optim.Optimizer) -> None:
+    """A fresh SGD's state for the next client, in place: every momentum buffer at zero.
+
+    PyTorch's first SGD step sets ``buf = g`` (dampening 0); from a zero buffer the next step computes
+    ``buf = ρ·0 + g``, the same number, and then the same update, so a kept optimizer reset here follows a new
+    one's trajectory bit for bit (tests/test_cuda_graphs.py).
+    """
+    for state in optimizer.state.values():
+        buf = state.get("momentum_buffer")
+        if buf is not None:
+            buf.zero_()
+
+
+def _state_tensors(model: nn.Module) -> list[torch.Tensor]:
+    return [p.data for p in model.parameters()] + list(model.buffers())
+
+
+# One captured step per worker model, dropped with the model (a process holds one worker per architecture).
+_STEPS: "weakref.WeakKeyDictionary[nn.Module, GraphedSGDStep]" = weakref.WeakKeyDictionary()
+
+
+def graphed_sgd_step(model: nn.Module, key: StepKey, optimizer_for: Optimizers, x: torch.Tensor, y: torch.Tensor) -> GraphedSGDStep:
+    """The captured step of ``model`` for ``key``, capturing it (and its optimizer) when there is none yet."""
+    step = _STEPS.get(model)
+    if step is None or step.key != key:
+        _STEPS.pop(model, None)  # release the old graph's memory before capturing the new one
+        step = GraphedSGDStep(model, key, optimizer_for(model), x, y)
+        _STEPS[model] = step
+    step.start_client()
+    return step
