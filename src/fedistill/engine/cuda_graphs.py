@@ -84,7 +84,9 @@ class GraphedSGDStep:
         self.graph = torch.cuda.CUDAGraph()
         # thread_local: another thread's CUDA call (a client state written to disk) does not break the capture.
         with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
-            self.static_loss = self._step(model, self.static_x, self.static_y, zero_grad=False)
+            # Detached: the captured autograd graph is not kept alive (its AccumulateGrad nodes would meet the next
+            # capture's warm-up on another stream).
+            self.static_loss = self._step(model, self.static_x, self.static_y, zero_grad=False).detach()
         with torch.no_grad():  # undo the warm-up: the run continues from the weights it had
             for t, s in zip(_state_tensors(model), saved):
                 t.copy_(s)
@@ -141,8 +143,8 @@ def graphed_sgd_step(model: nn.Module, key: StepKey, optimizer_for: Optimizers, 
     """The captured step of ``model`` for ``key``, capturing it (and its optimizer) when there is none yet."""
     step = _STEPS.get(model)
     if step is None or step.key != key:
+        step = None
         _STEPS.pop(model, None)  # release the old graph's memory before capturing the new one
-        step = GraphedSGDStep(model, key, optimizer_for(model), x, y)
-        _STEPS[model] = step
+        step = _STEPS[model] = GraphedSGDStep(model, key, optimizer_for(model), x, y)
     step.start_client()
     return step

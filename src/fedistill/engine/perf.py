@@ -61,3 +61,8 @@ def deterministic_kernels(device: torch.device) -> None:
 
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True, warn_only=True)
+        # Deterministic mode also fills every new tensor's memory with NaN (fill_uninitialized_memory), one kernel
+        # launch per allocation: 18-21 thousand fill_ launches in a FedAvg round of the MNIST protocol on an H100,
+        # about 43 a training step (benchmarks/RESULTS.md "The GPU path"). It only exposes code that reads memory
+        # before writing it; the numbers of a run that does not are the same without it.
+        torch.utils.deterministic.fill_uninitialized_memory = False
