@@ -41,7 +41,7 @@ echo "profile exit $?"; head -n 14 "$OUT/profile.txt"; grep -A8 "^synchronising"
 
 want graphs && { stage "graphs: speed"
 { timeout 90 $PY benchmarks/bench_gpu.py --data-dir "$DATA" --only mnist --graphs --rounds 4
-  [ "${GRAPHS_RESNET:-1}" = 1 ] && timeout 90 $PY benchmarks/bench_gpu.py --data-dir "$DATA" --only resnet18 --precisions fp32 --graphs --rounds 3; } > "$OUT/graphs_speed.txt" 2>&1
+  [ "${GRAPHS_RESNET:-1}" != 1 ] || timeout 90 $PY benchmarks/bench_gpu.py --data-dir "$DATA" --only resnet18 --precisions fp32 --graphs --rounds 3; } > "$OUT/graphs_speed.txt" 2>&1
 echo "exit $?"; grep -E "^\| (mnist|resnet18)|Error|error" "$OUT/graphs_speed.txt" | head -n 20
 stage "graphs: profile"
 { for flag in "" --cuda-graphs; do echo "### profile fp32 $flag"; timeout 60 $PY benchmarks/profile_gpu_round.py --data-dir "$DATA" --precision fp32 $flag; done; } > "$OUT/graphs_profile.txt" 2>&1
