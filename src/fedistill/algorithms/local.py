@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..engine.cuda_graphs import GraphedSGDStep, StepKey, graphed_sgd_step
+from ..engine.cuda_graphs import GraphedSGDStep, StepKey, eager_sgd_step, graphed_sgd_step
 from ..engine.evaluation import Evaluation, autocast_context, evaluate  # noqa: F401  (the methods import them from here)
 from .base import ClientContext
 
@@ -81,44 +81,53 @@ def local_sgd(
         # CNN is memory-bound and was up to half of the step time (benchmarks/RESULTS.md).
         return torch.optim.SGD(module.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay, **fused(client.device))
 
-    # run.cuda_graphs: the plain step (no loss term, logit transform or gradient correction, which read tensors
-    # that change between clients) is replayed from one CUDA graph per full batch (engine/cuda_graphs.py).
-    graphs = (
-        client.cuda_graphs and extra_loss is None and logit_transform is None and before_step is None and not with_features
-    )
-    graphed: GraphedSGDStep | None = None
-    optimizer: torch.optim.Optimizer | None = None
     # On the client's device: a CPU accumulator would copy (and so synchronise) an accelerator's loss every step.
     loss_sum = torch.zeros((), dtype=torch.float64, device=client.device)
     steps = seen = 0
+    # run.cuda_graphs: the plain step (no loss term, logit transform or gradient correction, which read tensors
+    # that change between clients) is replayed from one CUDA graph that also makes the batch from its index
+    # columns (engine/cuda_graphs.py); partial batches run the same step eagerly.
+    if client.cuda_graphs and extra_loss is None and logit_transform is None and before_step is None and not with_features:
+        graphed: GraphedSGDStep | None = None
+        eager_optimizer: torch.optim.Optimizer | None = None
+        for _ in range(epochs):
+            for cols in client.data.epoch_columns(client.train_indices, batch_size, client.generator):
+                m = int(cols.shape[1])
+                if graphed is None and eager_optimizer is None and m == batch_size:
+                    key = StepKey(tuple(cols.shape), lr, momentum, weight_decay, grad_clip, client.precision)
+                    graphed = graphed_sgd_step(model, key, new_optimizer, client.data.batch_from_columns, cols)
+                if graphed is not None:
+                    loss = graphed.step(model, cols)
+                else:  # a client smaller than one batch: never a full batch to capture
+                    eager_optimizer = eager_optimizer or new_optimizer(model)
+                    loss = eager_sgd_step(model, eager_optimizer, *client.data.batch_from_columns(cols), client.precision, grad_clip)
+                loss_sum += loss.detach().double() * m
+                steps += 1
+                seen += m
+        mean_loss = float(loss_sum / seen) if seen else float("nan")
+        return LocalResult(steps=steps, samples_seen=seen, mean_loss=mean_loss)
+
+    optimizer = new_optimizer(model)
     for _ in range(epochs):
         for x, y in client.data.epoch_batches(client.train_indices, batch_size, client.generator):
-            if graphs and graphed is None and optimizer is None and x.shape[0] == batch_size:
-                key = StepKey(tuple(x.shape), x.dtype, y.dtype, lr, momentum, weight_decay, grad_clip, client.precision)
-                graphed = graphed_sgd_step(model, key, new_optimizer, x, y)
-            if graphed is not None:  # the client's last partial batch runs the same step eagerly
-                loss = graphed.step(model, x, y)
-            else:
-                if optimizer is None:
-                    optimizer = new_optimizer(model)
-                with autocast_context(client.precision, client.device):
-                    if with_features:  # one forward: features for the loss term, logits from them
-                        features = model.extract(x)
-                        logits = model.classify(features)
-                    else:
-                        features, logits = None, model(x)
-                    # A logit transform (FedRS's restricted softmax) changes only what the CE sees.
-                    ce_logits = logits.float() if logit_transform is None else logit_transform(logits.float())
-                    loss = F.cross_entropy(ce_logits, y)
-                    if extra_loss is not None:
-                        loss = loss + extra_loss(model, x, y, logits, features)
-                optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                if before_step is not None:  # gradient corrections (SCAFFOLD) act on .grad before the step
-                    before_step(model)
-                if grad_clip is not None:
-                    nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
-                optimizer.step()
+            with autocast_context(client.precision, client.device):
+                if with_features:  # one forward: features for the loss term, logits from them
+                    features = model.extract(x)
+                    logits = model.classify(features)
+                else:
+                    features, logits = None, model(x)
+                # A logit transform (FedRS's restricted softmax) changes only what the CE sees.
+                ce_logits = logits.float() if logit_transform is None else logit_transform(logits.float())
+                loss = F.cross_entropy(ce_logits, y)
+                if extra_loss is not None:
+                    loss = loss + extra_loss(model, x, y, logits, features)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            if before_step is not None:  # gradient corrections (SCAFFOLD) act on .grad before the step
+                before_step(model)
+            if grad_clip is not None:
+                nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+            optimizer.step()
             # Accumulate on-device; a single .item() at the end avoids a sync per step.
             loss_sum += loss.detach().double() * y.shape[0]
             steps += 1

@@ -170,6 +170,17 @@ class TensorPipeline:
     def _device_epoch(
         self, order: torch.Tensor, batch_size: int, generator: torch.Generator
     ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        for cols in self._device_columns(order, batch_size, generator):
+            yield self.batch_from_columns(cols)
+
+    def epoch_columns(self, indices: torch.Tensor, batch_size: int, generator: torch.Generator) -> Iterator[torch.Tensor]:
+        """:meth:`epoch_batches` as index batches: per batch a ``(rows, m)`` tensor on the pipeline's device holding
+        the sample indices and every random draw of their augmentation (drawn in the CPU path's order, so the same
+        numbers), which :meth:`batch_from_columns` turns into the same ``(x, y)``. A captured CUDA graph takes the
+        columns as its one input and gathers, augments and normalises inside (engine/cuda_graphs.py)."""
+        yield from self._device_columns(indices[torch.randperm(indices.numel(), generator=generator)], batch_size, generator)
+
+    def _device_columns(self, order: torch.Tensor, batch_size: int, generator: torch.Generator) -> Iterator[torch.Tensor]:
         aug = self.augment
         h, w = self._train_x.shape[2], self._train_x.shape[3]
         rows: list[list[torch.Tensor]] = [[order]]  # row 0: the order; then one row per random quantity
@@ -188,17 +199,21 @@ class TensorPipeline:
                 rows[j].append(d)
         table = self._to_device(torch.stack([torch.cat(r).long() for r in rows]))  # the epoch's one copy
         for start in range(0, order.numel(), batch_size):
-            cols = table[:, start : start + batch_size]
-            ix, j = cols[0], 1
-            x = self._train_x[ix]
-            if aug.crop_padding:
-                x, j = crop_at(x, aug.crop_padding, cols[j], cols[j + 1]), j + 2
-            if aug.flip:
-                x, j = flip_where(x, cols[j].bool()), j + 1
-            x = self.normalise(x)
-            if aug.cutout:
-                x = cutout_at(x, aug.cutout, cols[j], cols[j + 1])
-            yield x, self._train_y[ix]
+            yield table[:, start : start + batch_size]
+
+    def batch_from_columns(self, cols: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The training batch of one :meth:`epoch_columns` entry: gathered, augmented, normalised, on the device."""
+        aug = self.augment
+        ix, j = cols[0], 1
+        x = self._train_x[ix]
+        if aug.crop_padding:
+            x, j = crop_at(x, aug.crop_padding, cols[j], cols[j + 1]), j + 2
+        if aug.flip:
+            x, j = flip_where(x, cols[j].bool()), j + 1
+        x = self.normalise(x)
+        if aug.cutout:
+            x = cutout_at(x, aug.cutout, cols[j], cols[j + 1])
+        return x, self._train_y[ix]
 
     def test_batches_of(self, indices: torch.Tensor, batch_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """The test samples ``indices`` (a client's own test split) in order, normalised, never augmented."""

@@ -9,9 +9,12 @@ same tensors.
 What a capture needs, and how this module meets it:
 
 - **Fixed tensors.** A graph replays on the memory it was captured with. The worker model is reused for every
-  client (weights loaded in place by ``set_flat``), so its parameters keep their storage; the batch is copied
-  into a static input. Only full batches of the captured size replay; a client's last partial batch runs the
-  same step eagerly on the same optimizer.
+  client (weights loaded in place by ``set_flat``), so its parameters keep their storage. The graph's one input
+  is a batch's *columns* (the sample indices and their augmentation draws, ``TensorPipeline.epoch_columns``),
+  copied into a static tensor: the gather, the augmentation and the normalisation are captured with the step
+  (on the MNIST protocol they were about 30 of the launches a step left outside a graph of the step alone).
+  Only full batches of the captured size replay; a client's last partial batch runs the same step eagerly on
+  the same optimizer.
 - **A persistent optimizer.** ``local_sgd`` makes a new SGD (empty momentum) for every client and round; here
   one optimizer lives with the graph and its momentum buffers are zeroed at each client's start. With dampening
   0, PyTorch's first step sets ``buf = g``; from a zero buffer the update computes ``ρ·0 + g = g``, the same
@@ -37,6 +40,7 @@ from torch import nn
 from ..errors import ConfigError
 
 Optimizers = Callable[[nn.Module], torch.optim.Optimizer]
+BatchMaker = Callable[[torch.Tensor], "tuple[torch.Tensor, torch.Tensor]"]  # columns -> (x, y), on the device
 
 WARMUP_STEPS = 3  # eager iterations on a side stream before the capture (PyTorch's CUDA graphs notes use 3)
 
@@ -45,9 +49,7 @@ WARMUP_STEPS = 3  # eager iterations on a side stream before the capture (PyTorc
 class StepKey:
     """Everything that is baked into a captured step: a different value needs a new capture."""
 
-    x_shape: tuple[int, ...]
-    x_dtype: torch.dtype
-    y_dtype: torch.dtype
+    columns_shape: tuple[int, ...]  # (1 + random draws per sample, batch size)
     lr: float
     momentum: float
     weight_decay: float
@@ -56,9 +58,9 @@ class StepKey:
 
 
 class GraphedSGDStep:
-    """One captured training step of ``model`` on batches of one shape, with its own SGD optimizer."""
+    """One captured training step of ``model`` (batch making included) on batches of one size, with its own SGD."""
 
-    def __init__(self, model: nn.Module, key: StepKey, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor):
+    def __init__(self, model: nn.Module, key: StepKey, optimizer: torch.optim.Optimizer, make_batch: BatchMaker, cols: torch.Tensor):
         dropout = [name for name, m in model.named_modules() if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0]
         if dropout:
             # Its masks would come from CUDA's generator inside the graph and in the warm-up, which this module
@@ -68,16 +70,14 @@ class GraphedSGDStep:
             )
         self.key = key
         self.optimizer = optimizer
-        self.static_x = torch.empty_like(x)
-        self.static_y = torch.empty_like(y)
-        self.static_x.copy_(x)
-        self.static_y.copy_(y)
+        self.make_batch = make_batch
+        self.static_cols = cols.clone()
         saved = [t.detach().clone() for t in _state_tensors(model)]
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(WARMUP_STEPS):
-                self._step(model, self.static_x, self.static_y)
+                self._step(model, *make_batch(self.static_cols))
         torch.cuda.current_stream().wait_stream(side)
         # The captured backward must create the gradients in the graph's pool (AccumulateGrad "steals" them).
         optimizer.zero_grad(set_to_none=True)
@@ -86,36 +86,47 @@ class GraphedSGDStep:
         with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
             # Detached: the captured autograd graph is not kept alive (its AccumulateGrad nodes would meet the next
             # capture's warm-up on another stream).
-            self.static_loss = self._step(model, self.static_x, self.static_y, zero_grad=False).detach()
+            self.static_loss = self._step(model, *make_batch(self.static_cols), zero_grad=False).detach()
         with torch.no_grad():  # undo the warm-up: the run continues from the weights it had
             for t, s in zip(_state_tensors(model), saved):
                 t.copy_(s)
 
     def _step(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, zero_grad: bool = True) -> torch.Tensor:
-        """The step ``local_sgd`` takes (fedavg.md §3): mean CE on the batch, backward, optional clip, SGD."""
         key = self.key
-        if zero_grad:
-            self.optimizer.zero_grad(set_to_none=True)
-        # No autocast weight cache: a cached cast would be captured once and not refreshed as the weights move.
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=key.precision == "bf16", cache_enabled=False):
-            loss = F.cross_entropy(model(x).float(), y)
-        loss.backward()
-        if key.grad_clip is not None:
-            nn.utils.clip_grad_norm_(model.parameters(), key.grad_clip)
-        self.optimizer.step()
-        return loss
+        return eager_sgd_step(model, self.optimizer, x, y, key.precision, key.grad_clip, zero_grad=zero_grad)
 
     def start_client(self) -> None:
         reset_momentum(self.optimizer)
 
-    def step(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """One training step on ``(x, y)``: the graph when the batch has the captured shape, else eagerly."""
-        if tuple(x.shape) == self.key.x_shape:
-            self.static_x.copy_(x)
-            self.static_y.copy_(y)
+    def step(self, model: nn.Module, cols: torch.Tensor) -> torch.Tensor:
+        """One training step on the batch ``cols``: the graph when it has the captured size, else eagerly."""
+        if tuple(cols.shape) == self.key.columns_shape:
+            self.static_cols.copy_(cols)
             self.graph.replay()
             return self.static_loss
-        return self._step(model, x, y)
+        return self._step(model, *self.make_batch(cols))
+
+
+def eager_sgd_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    precision: str,
+    grad_clip: float | None,
+    zero_grad: bool = True,
+) -> torch.Tensor:
+    """The plain step ``local_sgd`` takes (fedavg.md §3): mean CE on the batch, backward, optional clip, SGD step."""
+    if zero_grad:
+        optimizer.zero_grad(set_to_none=True)
+    # No autocast weight cache: a cached cast would be captured once and not refreshed as the weights move.
+    with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=precision == "bf16", cache_enabled=False):
+        loss = F.cross_entropy(model(x).float(), y)
+    loss.backward()
+    if grad_clip is not None:
+        nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    optimizer.step()
+    return loss
 
 
 def reset_momentum(optimizer: torch.optim.Optimizer) -> None:
@@ -139,12 +150,12 @@ def _state_tensors(model: nn.Module) -> list[torch.Tensor]:
 _STEPS: "weakref.WeakKeyDictionary[nn.Module, GraphedSGDStep]" = weakref.WeakKeyDictionary()
 
 
-def graphed_sgd_step(model: nn.Module, key: StepKey, optimizer_for: Optimizers, x: torch.Tensor, y: torch.Tensor) -> GraphedSGDStep:
+def graphed_sgd_step(model: nn.Module, key: StepKey, optimizer_for: Optimizers, make_batch: BatchMaker, cols: torch.Tensor) -> GraphedSGDStep:
     """The captured step of ``model`` for ``key``, capturing it (and its optimizer) when there is none yet."""
     step = _STEPS.get(model)
-    if step is None or step.key != key:
+    if step is None or step.key != key or step.make_batch != make_batch:
         step = None
         _STEPS.pop(model, None)  # release the old graph's memory before capturing the new one
-        step = _STEPS[model] = GraphedSGDStep(model, key, optimizer_for(model), x, y)
+        step = _STEPS[model] = GraphedSGDStep(model, key, optimizer_for(model), make_batch, cols)
     step.start_client()
     return step
