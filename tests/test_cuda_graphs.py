@@ -136,3 +136,14 @@ def test_the_graph_path_of_local_sgd_trains_like_the_plain_path(digits, monkeypa
     assert _StepWithoutCapture.made == 1  # one kept step for both clients
     assert torch.equal(results[True][0], results[False][0])
     assert results[True][1] == results[False][1]
+
+
+def test_a_model_with_dropout_is_refused_before_any_capture():
+    """Dropout's masks would come from CUDA's generator inside the graph and the warm-up, not put back: refused with
+    the setting to drop, before anything touches the device (so this runs without a GPU)."""
+    from fedistill.engine.cuda_graphs import GraphedSGDStep, StepKey
+
+    model = nn.Sequential(nn.Linear(6, 5), nn.Dropout(0.5), nn.Linear(5, 3))
+    key = StepKey((1, 4), 0.1, 0.0, 0.0, None, "fp32")
+    with pytest.raises(ConfigError, match=r"dropout \(1\); drop run.cuda_graphs"):
+        GraphedSGDStep(model, key, torch.optim.SGD(model.parameters(), lr=0.1), lambda cols: None, torch.zeros(1, 4))
