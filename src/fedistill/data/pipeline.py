@@ -170,7 +170,7 @@ class TensorPipeline:
     def _device_epoch(
         self, order: torch.Tensor, batch_size: int, generator: torch.Generator
     ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        for cols in self._device_columns(order, batch_size, generator):
+        for cols in self._columns(order, batch_size, generator):
             yield self.batch_from_columns(cols)
 
     def epoch_columns(self, indices: torch.Tensor, batch_size: int, generator: torch.Generator) -> Iterator[torch.Tensor]:
@@ -178,9 +178,9 @@ class TensorPipeline:
         the sample indices and every random draw of their augmentation (drawn in the CPU path's order, so the same
         numbers), which :meth:`batch_from_columns` turns into the same ``(x, y)``. A captured CUDA graph takes the
         columns as its one input and gathers, augments and normalises inside (engine/cuda_graphs.py)."""
-        yield from self._device_columns(indices[torch.randperm(indices.numel(), generator=generator)], batch_size, generator)
+        yield from self._columns(indices[torch.randperm(indices.numel(), generator=generator)], batch_size, generator)
 
-    def _device_columns(self, order: torch.Tensor, batch_size: int, generator: torch.Generator) -> Iterator[torch.Tensor]:
+    def _columns(self, order: torch.Tensor, batch_size: int, generator: torch.Generator) -> Iterator[torch.Tensor]:
         aug = self.augment
         h, w = self._train_x.shape[2], self._train_x.shape[3]
         rows: list[list[torch.Tensor]] = [[order]]  # row 0: the order; then one row per random quantity
