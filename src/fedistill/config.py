@@ -211,8 +211,8 @@ class RunConfig(_Section):
     device: str = "cpu"
     cuda_graphs: bool = Field(
         False,
-        description="replay the clients' plain SGD step (FedAvg's, no loss term or correction) from a captured CUDA "
-        "graph: one launch per step instead of about a hundred (needs a cuda device)",
+        description="replay the clients' plain SGD step (FedAvg's, no loss term or correction), batch making included, "
+        "from a captured CUDA graph: one launch per step instead of about a hundred (needs a cuda device)",
     )
     threads: int | None = Field(None, ge=1, description="intra-op threads (per worker when workers > 1)")
     client_state: Literal["auto", "memory", "disk"] = Field(
