@@ -160,17 +160,13 @@ class TensorPipeline:
         self, indices: torch.Tensor, batch_size: int, generator: torch.Generator
     ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """One shuffled pass over ``indices`` in batches of ``batch_size``; the last partial batch is kept."""
-        order = indices[torch.randperm(indices.numel(), generator=generator)]
         if self.on_host:
+            order = indices[torch.randperm(indices.numel(), generator=generator)]
             for start in range(0, order.numel(), batch_size):
                 yield self.train_batch(order[start : start + batch_size], generator)
             return
-        yield from self._device_epoch(order, batch_size, generator)
-
-    def _device_epoch(
-        self, order: torch.Tensor, batch_size: int, generator: torch.Generator
-    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        for cols in self._columns(order, batch_size, generator):
+        # On an accelerator the epoch's indices and augmentation draws go over in one copy (epoch_columns).
+        for cols in self.epoch_columns(indices, batch_size, generator):
             yield self.batch_from_columns(cols)
 
     def epoch_columns(self, indices: torch.Tensor, batch_size: int, generator: torch.Generator) -> Iterator[torch.Tensor]:
@@ -178,9 +174,7 @@ class TensorPipeline:
         the sample indices and every random draw of their augmentation (drawn in the CPU path's order, so the same
         numbers), which :meth:`batch_from_columns` turns into the same ``(x, y)``. A captured CUDA graph takes the
         columns as its one input and gathers, augments and normalises inside (engine/cuda_graphs.py)."""
-        yield from self._columns(indices[torch.randperm(indices.numel(), generator=generator)], batch_size, generator)
-
-    def _columns(self, order: torch.Tensor, batch_size: int, generator: torch.Generator) -> Iterator[torch.Tensor]:
+        order = indices[torch.randperm(indices.numel(), generator=generator)]
         aug = self.augment
         h, w = self._train_x.shape[2], self._train_x.shape[3]
         rows: list[list[torch.Tensor]] = [[order]]  # row 0: the order; then one row per random quantity
