@@ -31,11 +31,12 @@ def test_off_a_terminal_every_round_prints_one_line_at_once_and_run_log_has_them
     rounds = [line for line in out if line.startswith("round ")]
     assert [line.split()[1] for line in rounds] == ["1/3", "2/3", "3/3"]
     assert all(re.search(r"acc \d+\.\d\d%  test loss \d\.\d{4}  train loss \d\.\d{4}  down .* MB  up .* MB  \d+\.\d s$", r) for r in rounds)
-    assert out[0].startswith("fedavg on digits") and out.index(rounds[0]) == 1  # the header comes first
+    assert out[0].startswith("fedavg on digits") and out.index(rounds[0]) == 2  # the header comes first,
+    assert re.match(r"cores: \d+ cores? usable.*: .*1 thread", out[1])  # then how the run uses the cores
     log = (only_run_dir(tmp_path) / "run.log").read_text().splitlines()
     stamp = r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d "
     assert all(re.match(stamp, line) for line in log)
-    assert [re.sub(stamp, "", line) for line in log[1:4]] == rounds  # the same lines, timestamped
+    assert [re.sub(stamp, "", line) for line in log[2:5]] == rounds  # the same lines, timestamped
     assert "finished: final global accuracy" in log[-1]
 
 

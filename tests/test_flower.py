@@ -9,7 +9,6 @@ from __future__ import annotations
 import io
 import json
 import logging
-import os
 import re
 import time
 import uuid
@@ -384,7 +383,7 @@ def test_server_main_prints_one_line_and_flower_logs_no_traceback(tmp_path, caps
 # =================================================== thread count: same config, same numbers
 def test_fake_grid_default_threads_equal_the_simulation(tmp_path, keep_threads, task_identity):
     """No run.threads in the config: the ClientApps train with the count `fedistill run` uses, bit for bit."""
-    from fedistill.engine.executors import client_threads
+    from fedistill.engine.cores import client_threads
 
     cfg = flower_config(rounds=3, algorithm={"name": "fedlmd"}, **{"run.threads": None})
     torch.set_num_threads(client_threads(cfg))  # what `fedistill run` trains with when run.threads is unset
@@ -398,17 +397,16 @@ def test_fake_grid_default_threads_equal_the_simulation(tmp_path, keep_threads, 
 
 
 def test_app_writer_and_client_thread_count():
-    from fedistill.engine.executors import client_threads
+    from fedistill.engine.cores import client_threads
     from fedistill.flower.project import app_pyproject
 
     def embedded(cfg):
         return json.loads(app_pyproject(cfg)["tool"]["flwr"]["app"]["config"]["config-json"])["run"]["threads"]
 
     unset = flower_config(**{"run.threads": None})
-    from fedistill.engine.executors import DEFAULT_THREADS
-
-    assert embedded(unset) == client_threads(unset) == DEFAULT_THREADS  # torch's own default, as `fedistill run`
-    assert embedded(flower_config(**{"run.threads": None, "run.workers": 2})) == max(1, (os.cpu_count() or 1) // 2)
+    # One thread whatever the machine and the workers, as `fedistill run` (engine/cores.py)
+    assert embedded(unset) == client_threads(unset) == 1
+    assert embedded(flower_config(**{"run.threads": None, "run.workers": 2})) == 1
     assert embedded(flower_config(**{"run.threads": 3})) == 3
     # The ClientApp trains with the run's count; a node's threads key overrides it explicitly.
     assert flower_app._client_threads(flower_config(**{"run.threads": 3}), {"partition-id": 0}) == 3

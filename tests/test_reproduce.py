@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import csv
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -188,7 +187,7 @@ def test_jobs_run_the_runs_in_parallel_processes_with_the_serial_numbers(tiny, t
     out = capsys.readouterr().out
     assert "6 runs to do, 2 at a time" in out and "(6/6)" in out
     saved = yaml.safe_load((tmp_path / "parallel" / "tiny" / "lda" / "FedAvg" / "seed1" / "config.yaml").read_text())
-    assert saved["run"]["threads"] == max(1, (os.cpu_count() or 1) // 2)
+    assert saved["run"]["threads"] is None and saved["run"]["workers"] == 1  # one-thread, one-process runs (engine/cores.py)
     reproduce(tiny, tmp_path / "parallel", rounds=2, seeds=[0, 1], columns=["lda"], jobs=2)
     assert "runs to do" not in capsys.readouterr().out  # every run reused
     with pytest.raises(ConfigError, match="oversubscribe"):

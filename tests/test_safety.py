@@ -152,14 +152,17 @@ def test_a_resume_that_changes_the_numbers_needs_an_explicit_flag_and_is_recorde
     assert record[0]["after_round"] == 2 and record[0]["changed"]
 
 
-def test_a_different_thread_count_per_worker_is_a_numeric_change(tmp_path, capsys, monkeypatch):
-    import fedistill.engine.executors as executors
+def test_a_run_of_the_old_every_core_default_resumes_only_with_its_thread_count(tmp_path, capsys, monkeypatch, keep_threads):
+    """Before run.threads defaulted to 1, an unset count was every core (client_threads 2 on two cores): such a
+    checkpoint's resume under the new default is a numeric change, and the error says which --set keeps it."""
+    import fedistill.engine.run_setup as run_setup
 
-    monkeypatch.setattr(os, "cpu_count", lambda: 2)
-    monkeypatch.setattr(executors, "DEFAULT_THREADS", 2)
-    run = _run(tmp_path)  # workers 1, torch's default threads (2 here)
-    assert main(["run", "--resume", str(run), "--rounds", "3", "--no-progress", "--set", "run.workers=2"]) == 2
-    _one_line_error(capsys, "client_threads: 2 -> 1")
+    monkeypatch.setattr(run_setup, "client_threads", lambda cfg: cfg.run.threads or 2)  # the old default, here 2
+    run = _run(tmp_path)
+    monkeypatch.undo()
+    assert main(["run", "--resume", str(run), "--rounds", "3", "--no-progress"]) == 2
+    _one_line_error(capsys, "client_threads: 2 -> 1", "--set run.threads=2")
+    assert main(["run", "--resume", str(run), "--rounds", "3", "--no-progress", "--set", "run.threads=2"]) == 0
 
 
 # -- 6. a half-written metrics line ------------------------------------------------------------------------

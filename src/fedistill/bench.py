@@ -11,8 +11,8 @@ resumes from its checkpoint, a cell whose configuration changed is refused.
 A method that cannot run a setting (its configuration is refused, e.g. FedAvg with heterogeneous client
 models) is a cell with a reason, shown as n/a in the leaderboard, never an error that stops the bench.
 
-``--jobs N`` runs N cells at once, each in its own process with ``cores // N`` threads (never more threads
-than cores in all); ``--cells`` lists the cells with their numbers and states, ``--cell N`` runs one (a
+``--jobs N`` runs N cells at once, each a one-thread process (engine/cores.py ``job_overrides``; never more
+jobs than usable cores); ``--cells`` lists the cells with their numbers and states, ``--cell N`` runs one (a
 SLURM array job, benchmarks/slurm_bench.sh). After running, the leaderboard of every finished cell is
 written as ``leaderboard.md``, ``leaderboard.csv`` and ``leaderboard.json`` in ``<out>/<suite>/``: per
 setting, the methods ranked by final accuracy (mean ± std over seeds), with the best accuracy, rounds to
@@ -229,10 +229,6 @@ def suite_cells(suite: Suite, root: Path, overrides: list[str] | None = None) ->
     return cells
 
 
-def _threads_per_cell(jobs: int) -> int:
-    return max(1, (os.cpu_count() or 1) // jobs)
-
-
 
 
 def count_round_flops(config_tree: dict[str, Any]) -> dict[str, Any]:
@@ -365,14 +361,13 @@ def bench(
     from .runner import make_console
 
     console = console or make_console(wide=True)
-    cores = os.cpu_count() or 1
-    if jobs < 1:
-        raise ConfigError(f"bench --jobs: {jobs}; give 1 or more")
-    if jobs > cores and ray_address is None:
-        raise ConfigError(f"bench --jobs: {jobs} cells at once on {cores} cores would oversubscribe them; use at most {cores}")
-    overrides = list(overrides or [])
+    from .engine.cores import job_overrides, usable_cores
+
+    # One-thread, one-process cells, however many run at once: the leaderboard's % of peak is per thread, and a
+    # cell's numbers do not depend on --jobs. (Ray places cells on its own cluster's CPUs: no local core check.)
+    overrides = job_overrides("bench", jobs, overrides or [], one_process_runs=True, check_cores=ray_address is None)
     if not any(o.split("=", 1)[0].strip() == "run.threads" for o in overrides):
-        overrides.append(f"run.threads={_threads_per_cell(jobs)}")
+        overrides.append("run.threads=1")
     threads = next(o.split("=", 1)[1].strip() for o in reversed(overrides) if o.split("=", 1)[0].strip() == "run.threads")
     overrides += ["run.progress=false"]
     root = Path(out_dir) / suite.name
@@ -426,7 +421,7 @@ def bench(
             for i, future in enumerate(as_completed(futures), 1):
                 _, seconds = future.result()
                 finished(futures[future], seconds, i)
-    peak = best_bf16_peak(root, measure_bf16_peak(cores))
+    peak = best_bf16_peak(root, measure_bf16_peak(usable_cores()))  # the machine's rate on all the cores it lends
     rows = leaderboard_rows(suite, cells, peak)
     claims = suite_claim_rows(suite, cells)
     write_leaderboard(suite, rows, root, cells, claims)

@@ -57,7 +57,7 @@ def _add_run_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--print-config", action="store_true", help="print the fully resolved configuration (as config.yaml will hold it) and exit")
     p.add_argument(
         "--allow-numeric-change", action="store_true",
-        help="with --resume: allow run.precision, run.threads, run.workers' threads, run.channels_last or run.device to "
+        help="with --resume: allow run.precision, run.threads, run.channels_last or run.device to "
         "differ from the checkpoint's (the rest of the run then no longer equals an uninterrupted one; recorded in resumes.jsonl)",
     )
 
@@ -346,7 +346,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--methods", help="comma-separated subset of the preset's methods")
     p.add_argument("--columns", help="comma-separated subset of the preset's columns (settings)")
     p.add_argument("--out", default="reproduce", help="parent directory of the runs and tables (default reproduce/)")
-    p.add_argument("--jobs", type=int, default=1, help="runs at once, each in its own process with cores/jobs threads (default 1)")
+    p.add_argument("--jobs", type=int, default=1, help="runs at once, each a one-thread process (default 1: the run plans its own client processes)")
     p.add_argument("--data-dir", help="directory of the official dataset files [dataset.data_dir]")
     p.add_argument("--download", action="store_true", help="download missing official dataset files")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="override a key in every run, e.g. run.workers=2")
@@ -354,7 +354,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="run a suite (every method x settings x seeds on one protocol) and write its leaderboard")
     p.add_argument("suite", nargs="?", help="suite name (see `fedistill list`) or path to a suite YAML file; omit to list them")
     p.add_argument("--out", default="bench", help="parent directory of the cells and the leaderboard (default bench/)")
-    p.add_argument("--jobs", type=int, default=1, help="cells run at once, each with cores/jobs threads (default 1)")
+    p.add_argument("--jobs", type=int, default=1, help="cells run at once, each a one-thread process (default 1)")
     p.add_argument("--cells", action="store_true", help="list the cells with their numbers and states; run nothing")
     p.add_argument("--cell", type=int, help="run only cell N (a SLURM array task), then write the leaderboard of what finished")
     p.add_argument("--ray", metavar="ADDRESS", help="run the cells as Ray tasks on the cluster at ADDRESS (`local`: start Ray here); --out must be shared")

@@ -214,14 +214,24 @@ class RunConfig(_Section):
         description="replay the clients' plain SGD step (FedAvg's, no loss term or correction), batch making included, "
         "from a captured CUDA graph: one launch per step instead of about a hundred (needs a cuda device)",
     )
-    threads: int | None = Field(None, ge=1, description="intra-op threads (per worker when workers > 1)")
+    threads: int | None = Field(
+        None,
+        ge=1,
+        description="intra-op threads of every process of the run; unset = 1 (parallelism comes from run.workers, and the "
+        "numbers do not depend on the machine's core count or load)",
+    )
     client_state: Literal["auto", "memory", "disk"] = Field(
         "auto", description="where the simulation keeps client state; auto = disk when the run has a directory"
     )
     client_state_dtype: Literal["fp32", "bf16"] = Field(
         "fp32", description="bf16 = client states rounded to bfloat16 when stored (half the bytes), float32 in use"
     )
-    workers: int = Field(1, ge=1, description="client processes; workers x threads must not exceed the cores")
+    workers: int | Literal["auto"] = Field(
+        "auto",
+        description="client processes: auto = one per usable core that no other process is using, planned every round "
+        "(clients in this process when a round is too small to pay for processes); N = a fixed pool (workers x threads "
+        "must not exceed the cores)",
+    )
     tune_allocator: bool = Field(True, description="keep freed memory in glibc's heap (fewer page faults)")
     progress: bool = True
     tensorboard: bool = Field(False, description="also write the per-round metrics for TensorBoard (extra: tensorboard)")
@@ -232,6 +242,19 @@ class RunConfig(_Section):
         if value is not None:
             check_run_name(value)
         return value
+
+    @field_validator("workers", mode="before")
+    @classmethod
+    def _auto_or_count(cls, value: Any) -> Any:
+        if value == "auto":
+            return value
+        try:
+            count = int(str(value).strip()) if not isinstance(value, (bool, float)) else None
+        except ValueError:
+            count = None
+        if count is None or count < 1:
+            raise ValueError(f"got {value!r}; give auto (one process per free core, planned every round) or a whole number >= 1")
+        return count
 
     @field_validator("device")
     @classmethod

@@ -20,7 +20,6 @@ import copy
 import csv
 import io
 import json
-import os
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
@@ -256,22 +255,17 @@ def reproduce(
     console=None,
     jobs: int = 1,
 ) -> list[dict[str, Any]]:
-    """Run (or reuse) every selected run, ``jobs`` at a time (each in its own process with cores // jobs
-    threads), then write and return the comparison table rows."""
+    """Run (or reuse) every selected run, ``jobs`` at a time (each a one-thread process, engine/cores.py
+    ``job_overrides``), then write and return the comparison table rows."""
     from .runner import make_console
 
     console = console or make_console(wide=True)
     from .report.groups import check_seeds
 
-    cores = os.cpu_count() or 1
-    if jobs < 1:
-        raise ConfigError(f"reproduce --jobs: {jobs}; give 1 or more")
-    if jobs > cores:
-        raise ConfigError(f"reproduce --jobs: {jobs} runs at once on {cores} cores would oversubscribe them; use at most {cores}")
+    from .engine.cores import job_overrides
+
+    overrides = job_overrides("reproduce", jobs, overrides or [])
     if jobs > 1:
-        overrides = list(overrides or [])
-        if "run.threads" not in _override_keys(overrides):
-            overrides.append(f"run.threads={max(1, cores // jobs)}")
         overrides.append("run.progress=false")  # one line per finished run instead of interleaved bars
 
     rounds = rounds or preset.paper_rounds

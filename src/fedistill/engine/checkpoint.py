@@ -116,8 +116,11 @@ def check_compatible(
             if saved_numerics.get(key) != current_numerics.get(key):
                 changes.append(f"{key}: {saved_numerics.get(key)!r} -> {current_numerics.get(key)!r}")
     if changes and not allow_numeric_change:
+        # Runs from before run.threads defaulted to 1 recorded every core (client_threads 2 on two cores).
+        threads = saved_numerics.get("client_threads") if saved_numerics else None
+        how = f" (--set run.threads={threads})" if any(c.startswith("client_threads") for c in changes) and threads else ""
         raise ConfigError(
             f"resume: {'; '.join(changes)} would change the numbers of the rest of this run, so it would no longer "
-            f"equal an uninterrupted run; resume with the checkpointed settings, or {hint or 'allow the change explicitly'}"
+            f"equal an uninterrupted run; resume with the checkpointed settings{how}, or {hint or 'allow the change explicitly'}"
         )
     return changes

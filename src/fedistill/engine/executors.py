@@ -10,6 +10,7 @@ and each worker has the same thread count, so any pool of the same thread count 
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import contextlib
 import multiprocessing
@@ -20,10 +21,12 @@ import torch
 
 from ..errors import ConfigError
 from ..protocol import Message, RoundInfo
+from .cores import client_threads
 from .interrupts import uninterrupted
 
 Task = tuple[int, RoundInfo, Message, dict[str, Any]]  # (client id, round info, broadcast, client state)
 Result = tuple[Message, dict[str, Any]]  # (reply, updated client state)
+InFlight = int | Callable[[], int] | None  # clients at once: a count, a count asked again as clients finish, or all
 
 
 def state_to(state: Any, device: torch.device) -> Any:
@@ -139,22 +142,51 @@ class ProcessPoolExecutor:
             initargs=(runtime_factory, cfg.to_dict(), dataset, train, test, threads),
         )
 
-    def run(self, tasks: Sequence[Task]) -> list[Result]:
-        # Largest clients first (LPT scheduling): under label skew client sizes differ by 50x, and
-        # submitting in id order left one worker idle while the other trained the big client.
+    def run(self, tasks: Sequence[Task], in_flight: InFlight = None) -> list[Result]:
+        """The round's clients, at most ``in_flight`` at once (default: one per worker); each next client goes to
+        the first worker that is free. Largest clients first (LPT scheduling): under label skew client sizes
+        differ by 50x, and submitting in id order left one worker idle while the other trained the big client."""
         order = sorted(range(len(tasks)), key=lambda i: -self._sizes[tasks[i][0]])
-        with uninterrupted():
-            futures = {i: self._pool.submit(_run_task, tasks[i][0], tasks[i][1], dict(tasks[i][2]), tasks[i][3]) for i in order}
+        futures = self._feed(order, in_flight, lambda i: (_run_task, tasks[i][0], tasks[i][1], dict(tasks[i][2]), tasks[i][3]))
         out = []
         for i in range(len(tasks)):
             reply, state = futures[i].result()
             out.append((Message(reply), state))
         return out
 
-    def evaluate(self, tasks: Sequence[Task]) -> list[Message]:
-        with uninterrupted():
-            futures = [self._pool.submit(_evaluate_task, cid, info, dict(msg), state) for cid, info, msg, state in tasks]
-        return [Message(f.result()) for f in futures]
+    def pids(self) -> list[int]:
+        """The worker processes' ids (those started so far)."""
+        return list((getattr(self._pool, "_processes", None) or {}).keys())
+
+    def _feed(self, order: list[int], in_flight: InFlight, call: Callable[[int], tuple[Any, ...]]) -> dict[int, Any]:
+        """Submit ``call(i)`` for each ``i`` of ``order``, keeping at most ``in_flight`` unfinished: all at once when
+        None (the pool's own queue hands them out as workers free up), or a count, or a function asked again each
+        time a client finishes (engine/cores.py: another program or run took or gave back a core). Returns the
+        futures by index, all done."""
+        pending = collections.deque(order)
+        futures: dict[int, concurrent.futures.Future[Any]] = {}
+        running: set[concurrent.futures.Future[Any]] = set()
+
+        def top_up() -> None:
+            limit = len(order) if in_flight is None else in_flight() if callable(in_flight) else in_flight
+            with uninterrupted():
+                while pending and len(running) < max(1, limit):
+                    i = pending.popleft()
+                    futures[i] = self._pool.submit(*call(i))
+                    running.add(futures[i])
+
+        top_up()
+        while running:
+            done, running = concurrent.futures.wait(running, return_when=concurrent.futures.FIRST_COMPLETED)
+            for future in done:
+                future.result()  # a failed client stops the round here (the caller closes the pool)
+            if pending:
+                top_up()
+        return futures
+
+    def evaluate(self, tasks: Sequence[Task], in_flight: InFlight = None) -> list[Message]:
+        futures = self._feed(list(range(len(tasks))), in_flight, lambda i: (_evaluate_task, tasks[i][0], tasks[i][1], dict(tasks[i][2]), tasks[i][3]))
+        return [Message(futures[i].result()) for i in range(len(tasks))]
 
     def close(self, abandon: bool = False) -> None:
         """Stop the workers. ``abandon``: the round was interrupted and its results are thrown away, so the
@@ -221,48 +253,101 @@ def _quiet_resource_sharer_resets() -> None:
     sys.excepthook = hook
 
 
-# torch's own default (the physical cores it found), taken before anything in this process changes it.
-DEFAULT_THREADS = torch.get_num_threads()
-
-
-def client_threads(cfg: Any) -> int:
-    """Intra-op threads of the process that trains a client: ``run.threads``, else every core for the
-    sequential executor and an equal share of them per worker process. Thread count changes the order of
-    floating-point reductions, so it is one of the settings a resume must keep (engine/checkpoint.py)."""
-    if cfg.run.workers == 1:
-        return cfg.run.threads or DEFAULT_THREADS
-    return cfg.run.threads or max(1, (os.cpu_count() or 1) // cfg.run.workers)
-
-
 def check_workers(cfg: Any) -> None:
     """Refuse worker settings this machine cannot honour; called before any work (and by make_executor)."""
+    from .cores import usable_cores
+
     workers = cfg.run.workers
-    cores = os.cpu_count() or 1
-    if workers == 1:
-        # The same rule for one process (README: workers x threads may not exceed the cores).
-        if cfg.run.threads is not None and cfg.run.threads > cores:
-            raise ConfigError(
-                f"run.threads: {cfg.run.threads} threads exceed the {cores} CPU cores; oversubscribing makes rounds "
-                f"slower. Use run.threads={cores} or fewer (or leave it unset)"
-            )
+    cores = usable_cores()
+    if cfg.run.threads is not None and cfg.run.threads > cores:
+        raise ConfigError(
+            f"run.threads: {cfg.run.threads} threads exceed the {cores} CPU cores this process may use; oversubscribing "
+            f"makes rounds slower. Use run.threads={cores} or fewer (or leave it unset: 1 thread, and worker processes)"
+        )
+    if workers in ("auto", 1):
         return
     if cfg.run.device != "cpu":
         raise ConfigError(f"run.workers: parallel client workers run on the CPU only (run.device is {cfg.run.device!r}); use run.workers=1")
     threads = client_threads(cfg)
     if workers * threads > cores:
         raise ConfigError(
-            f"run.workers: {workers} workers x {threads} threads exceed the {cores} CPU cores; "
-            "oversubscribing makes rounds several times slower. Lower run.workers or run.threads"
+            f"run.workers: {workers} workers x {threads} threads exceed the {cores} CPU cores this process may use; "
+            "oversubscribing makes rounds several times slower. Lower run.workers or run.threads (or use run.workers=auto)"
         )
 
 
+class AdaptiveExecutor:
+    """``run.workers=auto``: each round's clients in as many one-thread worker processes as the cores that are
+    free now allow (engine/cores.py), in this process when that is one. The pool is started the first time a
+    round may use two processes or more, with one process per usable core; the processes a round may not use
+    sleep. Which process trains a client does not change its numbers, so neither does the plan."""
+
+    def __init__(self, client_runtime: Any, planner: Any, start_pool: Callable[[], ProcessPoolExecutor]) -> None:
+        self.sequential = SequentialExecutor(client_runtime)
+        self.planner = planner
+        self._start_pool = start_pool
+        self._pool: ProcessPoolExecutor | None = None
+
+    def _processes(self, tasks: Sequence[Task]) -> int:
+        plan = self.planner.plan(wanted=len(tasks))
+        if plan.processes > 1 and self._pool is None:
+            self._pool = self._start_pool()
+        return plan.processes
+
+    def pids(self) -> list[int]:
+        return self._pool.pids() if self._pool is not None else []
+
+    def _in_flight(self) -> int:
+        # Asked each time a client finishes: a run started beside this one gets its share within one client's
+        # training, not at the next round (a one-round run would otherwise keep both cores to the end).
+        return self.planner.plan().processes
+
+    def run(self, tasks: Sequence[Task]) -> list[Result]:
+        processes = self._processes(tasks)
+        if processes == 1:
+            return self.sequential.run(tasks)
+        assert self._pool is not None
+        return self._pool.run(tasks, in_flight=self._in_flight)
+
+    def evaluate(self, tasks: Sequence[Task]) -> list[Message]:
+        processes = self._processes(tasks)
+        if processes == 1:
+            return self.sequential.evaluate(tasks)
+        assert self._pool is not None
+        return self._pool.evaluate(tasks, in_flight=self._in_flight)
+
+    def close(self, abandon: bool = False) -> None:
+        try:
+            if self._pool is not None:
+                self._pool.close(abandon=abandon)
+        finally:
+            self.planner.close()
+
+
 def make_executor(
-    cfg: Any, dataset: Any, federation: Any, client_runtime: Any, runtime_factory: Callable[..., Any]
-) -> SequentialExecutor | ProcessPoolExecutor:
-    """The executor ``cfg.run.workers`` asks for (1 = sequential, in this process). ``runtime_factory(cfg, dataset,
-    train_indices, test_indices)`` builds a worker's client runtime (picklable: a class with its algorithm
-    factory bound)."""
+    cfg: Any,
+    dataset: Any,
+    federation: Any,
+    client_runtime: Any,
+    runtime_factory: Callable[..., Any],
+    planner: Any = None,
+) -> SequentialExecutor | ProcessPoolExecutor | AdaptiveExecutor:
+    """The executor ``cfg.run.workers`` asks for: ``auto`` = planned every round by ``planner`` (an
+    engine/cores.py ``CorePlanner``; engine/loop.py makes it), 1 = sequential, in this process, N = a fixed pool
+    of N processes.
+    ``runtime_factory(cfg, dataset, train_indices, test_indices)`` builds a worker's client runtime (picklable: a
+    class with its algorithm factory bound)."""
     check_workers(cfg)
+    if cfg.run.workers == "auto":
+        if planner is None:
+            raise ValueError("run.workers=auto needs the run's CorePlanner")
+        executor = AdaptiveExecutor(
+            client_runtime,
+            planner,
+            lambda: ProcessPoolExecutor(cfg, dataset, federation, planner.max_processes, client_threads(cfg), runtime_factory),
+        )
+        planner.own_pids = executor.pids
+        return executor
     if cfg.run.workers == 1:
         return SequentialExecutor(client_runtime)
     return ProcessPoolExecutor(cfg, dataset, federation, cfg.run.workers, client_threads(cfg), runtime_factory)

@@ -17,9 +17,10 @@ from ..data.dataset import Dataset
 from ..data.pipeline import TensorPipeline
 from ..protocol import Algorithm, Message, RoundInfo, ServerContext
 from .client import AlgorithmFactory, ClientRuntime
-from .executors import ProcessPoolExecutor, SequentialExecutor, make_executor
+from .cores import POOL_MIN_ROUND_FLOPS, CorePlanner, client_threads, usable_cores
+from .executors import AdaptiveExecutor, ProcessPoolExecutor, SequentialExecutor, make_executor
 from .federation import Federation, build_federation
-from .run_setup import apply_process_settings, round_info
+from .run_setup import apply_process_settings, round_info, round_training_flops
 from .server import RunState, ServerRuntime
 
 
@@ -64,15 +65,27 @@ class RoundLoop:
             algorithm_factory=algorithm_factory,
         )
         self.dataset = dataset
-        self._executor: SequentialExecutor | ProcessPoolExecutor | None = None
+        self._executor: SequentialExecutor | ProcessPoolExecutor | AdaptiveExecutor | None = None
 
     @property
-    def executor(self) -> SequentialExecutor | ProcessPoolExecutor:
+    def executor(self) -> SequentialExecutor | ProcessPoolExecutor | AdaptiveExecutor:
         if self._executor is None:  # started on first use: worker processes cost a second or two
             # A worker builds the same runtime as this process's: the class with the algorithm factory bound.
             runtime_factory = functools.partial(ClientRuntime, algorithm_factory=self.client_runtime.algorithm_factory)
-            self._executor = make_executor(self.cfg, self.dataset, self.federation, self.client_runtime, runtime_factory)
+            planner = make_planner(self.cfg, self.dataset, self.federation) if self.cfg.run.workers == "auto" else None
+            self._executor = make_executor(self.cfg, self.dataset, self.federation, self.client_runtime, runtime_factory, planner)
         return self._executor
+
+    def core_plan(self) -> str:
+        """How this run uses the cores, and why (the run header's line): ``run.workers=auto`` plans it now
+        (engine/cores.py; round 1 uses this plan, later rounds their own), a fixed count says so."""
+        executor = self.executor
+        threads = f"{client_threads(self.cfg)} thread{'s' if client_threads(self.cfg) != 1 else ''}"
+        if isinstance(executor, AdaptiveExecutor):
+            return executor.planner.plan(wanted=self.cfg.clients_per_round).describe() + " (planned every round)"
+        if isinstance(executor, ProcessPoolExecutor):
+            return f"run.workers={self.cfg.run.workers}: {self.cfg.run.workers} client processes of {threads}"
+        return f"run.workers=1: clients in this process, {threads}"
 
     def close(self, abandon: bool = False) -> None:
         """Stop worker processes (if any). Safe to call more than once. ``abandon``: the round in progress was
@@ -157,3 +170,12 @@ class RoundLoop:
         return self.state.history
 
 
+def make_planner(cfg: Any, dataset: Any, federation: Any) -> Any:
+    """The core planner of a ``run.workers=auto`` run: at most one process per usable core (of ``run.threads``
+    threads), per client of a round, and one (this process) when a round's training is too small to pay for
+    worker processes or runs on an accelerator."""
+    threads = client_threads(cfg)
+    most = max(1, min(usable_cores() // threads, cfg.clients_per_round))
+    if most > 1 and (cfg.run.device != "cpu" or round_training_flops(cfg, dataset, federation) < POOL_MIN_ROUND_FLOPS):
+        most = 1
+    return CorePlanner(threads, most)

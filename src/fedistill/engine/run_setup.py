@@ -11,7 +11,7 @@ import torch
 from ..config import Config
 from ..data.dataset import Dataset
 from ..protocol import RoundInfo
-from .executors import client_threads
+from .cores import client_threads
 from .perf import keep_freed_memory_in_heap
 from .seeding import cpu_seeded, derive_seed
 
@@ -45,10 +45,10 @@ def round_info(cfg: Config, rnd: int) -> RoundInfo:
 
 
 def apply_process_settings(cfg: Config) -> None:
-    # With worker processes, run.threads is each worker's count; this process (aggregation, evaluation)
-    # keeps all cores, since it is idle while the workers train.
-    if cfg.run.workers == 1:
-        torch.set_num_threads(client_threads(cfg))  # what the checkpoint records (and the Flower writer embeds)
+    # Every process of the run has the same thread count (1 unless run.threads says otherwise): this one trains
+    # the clients when it runs them itself, and its server steps (refiners) then give the same numbers whichever
+    # executor ran the clients. What the checkpoint records (and the Flower writer embeds).
+    torch.set_num_threads(client_threads(cfg))
     if cfg.run.tune_allocator:
         keep_freed_memory_in_heap()
 
@@ -68,3 +68,16 @@ def run_numerics(cfg: Config) -> dict[str, Any]:
     return numerics
 
 
+def round_training_flops(cfg: Any, dataset: Any, federation: Any) -> float:
+    """About how many floating-point operations a round's client training does: forward + backward (3x the
+    forward, counted by torch.utils.flop_counter on one sample of the run's model) over a round's samples
+    (clients per round x the mean client size x local epochs). Decides whether worker processes pay off."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model = build_model_for(cfg, dataset, (0,)).to("cpu").eval()
+    counter = FlopCounterMode(display=False)
+    with torch.no_grad(), counter:
+        model(torch.zeros(1, *dataset.input_shape))
+    sizes = federation.client_sizes()
+    mean_size = float(sizes.mean()) if len(sizes) else 0.0
+    return 3.0 * counter.get_total_flops() * min(cfg.clients_per_round, len(sizes)) * mean_size * max(1, cfg.local.epochs)

@@ -547,7 +547,7 @@ def _client_threads(cfg: Config, node_config: dict[str, Any]) -> int:
         return threads
     if cfg.run.threads is not None:
         return cfg.run.threads
-    from ..engine.executors import client_threads
+    from ..engine.cores import client_threads
 
     return client_threads(cfg)
 

@@ -7,7 +7,7 @@ a SuperLink that installs app dependencies at runtime has nothing to install (st
 configuration is carried inline (``config-json``), so the SuperLink machine needs no copy of the YAML file.
 
 An unset ``run.threads`` is written as the thread count ``fedistill run`` of the same configuration uses
-on the machine that writes the app (every core, or cores / run.workers): the ClientApps train with it, so
+(1 unless set, whatever the machine: engine/cores.py client_threads): the ClientApps train with it, so
 the Flower run gives the numbers of ``fedistill run`` with the same configuration file, bit for bit.
 """
 

@@ -138,6 +138,6 @@ def with_client_threads(cfg: Config) -> Config:
     """
     if cfg.run.threads is not None:
         return cfg
-    from ..engine.executors import client_threads
+    from ..engine.cores import client_threads
 
     return build_config(cfg.to_dict(), {"run.threads": client_threads(cfg)})
