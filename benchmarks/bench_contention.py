@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-FEDISTILL = [sys.executable, "-m", "fedistill"]
+FEDISTILL = [sys.executable, "-c", "import sys; from fedistill.cli import main; sys.exit(main())"]
 HOG = "import time, sys\nend = time.monotonic() + float(sys.argv[1])\nwhile time.monotonic() < end:\n    pass\n"
 
 JOBS = {

@@ -48,13 +48,15 @@ PROTOCOL = {
 }
 
 
-# fedistill variants: precision and executor (2 one-thread worker processes vs one two-thread process).
+# fedistill variants: precision and executor (2 one-thread worker processes vs one process with --threads
+# threads, as the default was before issue 41; "bf16-default" leaves the executor to run.workers=auto).
 VARIANTS = {
     "plain": {},
-    "fp32": {"run.precision": "fp32"},
-    "bf16": {"run.precision": "bf16"},
+    "fp32": {"run.precision": "fp32", "run.workers": 1, "run.threads": "THREADS"},
+    "bf16": {"run.precision": "bf16", "run.workers": 1, "run.threads": "THREADS"},
     "fp32-2workers": {"run.precision": "fp32", "run.workers": 2, "run.threads": 1},
     "bf16-2workers": {"run.precision": "bf16", "run.workers": 2, "run.threads": 1},
+    "bf16-default": {"run.precision": "bf16"},
 }
 
 
@@ -225,7 +227,8 @@ def main():
         if name == "plain":
             rows = plain_fedavg(cfg, dataset, federation, args.rounds, log)
         else:
-            run_cfg = build_config(PROTOCOL, {"rounds": args.rounds, "dataset.data_dir": args.data_dir, **VARIANTS[name]})
+            variant = {k: args.threads if v == "THREADS" else v for k, v in VARIANTS[name].items()}
+            run_cfg = build_config(PROTOCOL, {"rounds": args.rounds, "dataset.data_dir": args.data_dir, **variant})
             rows = fedistill_fedavg(run_cfg, dataset, federation, log, name)
         results["runs"][name] = {"summary": summarise(rows), "rows": rows, "wall_s": time.perf_counter() - t0}
         log(f"{name}: {json.dumps(results['runs'][name]['summary'])}")

@@ -5,6 +5,8 @@ speed it buys is measured in benchmarks/bench_contention.py, never asserted here
 
 from __future__ import annotations
 
+import json
+import re
 import subprocess
 import sys
 
@@ -219,6 +221,17 @@ def test_small_rounds_stay_in_this_process(make_config, digits):
     cfg = make_config(**{"run.workers": "auto"})
     planner = make_planner(cfg, digits, build_federation(cfg, digits))
     assert planner.max_processes == 1  # a digits round is a few GFLOP: processes would cost more than they give
+
+    def never(*_):
+        raise AssertionError("a run that never uses worker processes measures nothing (and never waits for a window)")
+
+    planner.meter.busy_elsewhere = never
+    plan = planner.plan(wanted=3)
+    assert plan.processes == 1 and re.fullmatch(
+        r"\d+ cores? usable, a round of about [\d.]+ GFLOP is too small for worker processes: clients in this process, 1 thread",
+        plan.describe(),
+    )
+    assert json.loads(planner.ledger.path.read_text())["cores"] == 1  # still claimed, so that other runs count it
     planner.close()
 
 

@@ -268,9 +268,13 @@ class CorePlan:
     claimed_elsewhere: int
     processes: int
     threads: int
+    single_reason: str | None = None  # why the run never uses worker processes (then nothing was measured)
 
     def describe(self) -> str:
         """The run header's line: what was chosen and why."""
+        if self.single_reason:
+            threads = f"{self.threads} thread{'s' if self.threads != 1 else ''}"
+            return f"{self.usable} core{'s' if self.usable != 1 else ''} usable, {self.single_reason}: clients in this process, {threads}"
         taken = []
         if round(self.busy_elsewhere):
             taken.append(f"{round(self.busy_elsewhere)} busy")
@@ -288,9 +292,14 @@ class CorePlan:
 class CorePlanner:
     """Plans the client processes of each round (``run.workers=auto``) and keeps this run's claim current."""
 
-    def __init__(self, threads: int, max_processes: int, own_pids: Callable[[], Iterable[int]] = lambda: ()) -> None:
+    def __init__(
+        self, threads: int, max_processes: int, own_pids: Callable[[], Iterable[int]] = lambda: (), single_reason: str | None = None
+    ) -> None:
         self.threads = threads
         self.max_processes = max(1, max_processes)
+        # A run that never uses worker processes (a small round, an accelerator, one usable core) measures nothing:
+        # it only claims its core, so that runs started beside it count it.
+        self.single_reason = single_reason if self.max_processes == 1 else None
         cpus = allowed_cpus()
         self.usable = usable_cores()
         self.own_pids = own_pids  # the run's worker processes, whose CPU time is not "elsewhere"
@@ -302,6 +311,11 @@ class CorePlanner:
     def plan(self, wanted: int | None = None) -> CorePlan:
         """The processes to use now (at most ``wanted``, default the planner's maximum); claims them."""
         wanted = self.max_processes if wanted is None else min(wanted, self.max_processes)
+        if self.max_processes == 1:
+            if self.last is None:  # once: its claim does not change
+                self.ledger.claim(lambda claimed: self.threads)
+                self.last = CorePlan(self.usable, 0.0, 0, 1, self.threads, self.single_reason or "one process at most")
+            return self.last
         if self._measured is not None and time.monotonic() - self._measured[0] < MIN_WINDOW_SECONDS:
             busy = self._measured[1]  # planned a moment ago (the run header's plan, then round 1's)
         else:

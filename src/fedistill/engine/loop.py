@@ -82,7 +82,8 @@ class RoundLoop:
         executor = self.executor
         threads = f"{client_threads(self.cfg)} thread{'s' if client_threads(self.cfg) != 1 else ''}"
         if isinstance(executor, AdaptiveExecutor):
-            return executor.planner.plan(wanted=self.cfg.clients_per_round).describe() + " (planned every round)"
+            planner = executor.planner
+            return planner.plan(wanted=self.cfg.clients_per_round).describe() + (" (planned every round)" if planner.max_processes > 1 else "")
         if isinstance(executor, ProcessPoolExecutor):
             return f"run.workers={self.cfg.run.workers}: {self.cfg.run.workers} client processes of {threads}"
         return f"run.workers=1: clients in this process, {threads}"
@@ -175,7 +176,16 @@ def make_planner(cfg: Any, dataset: Any, federation: Any) -> Any:
     threads), per client of a round, and one (this process) when a round's training is too small to pay for
     worker processes or runs on an accelerator."""
     threads = client_threads(cfg)
-    most = max(1, min(usable_cores() // threads, cfg.clients_per_round))
-    if most > 1 and (cfg.run.device != "cpu" or round_training_flops(cfg, dataset, federation) < POOL_MIN_ROUND_FLOPS):
-        most = 1
-    return CorePlanner(threads, most)
+    usable = usable_cores()
+    most, why = max(1, min(usable // threads, cfg.clients_per_round)), None
+    if usable // threads < 2:
+        why = f"{threads} thread{'s' if threads != 1 else ''} each"
+    elif cfg.clients_per_round < 2:
+        why = "one client a round"
+    elif cfg.run.device != "cpu":
+        most, why = 1, f"clients on {cfg.run.device}"
+    else:
+        flops = round_training_flops(cfg, dataset, federation)
+        if flops < POOL_MIN_ROUND_FLOPS:
+            most, why = 1, f"a round of about {flops / 1e9:.3g} GFLOP is too small for worker processes"
+    return CorePlanner(threads, most, single_reason=why)
