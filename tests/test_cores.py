@@ -84,7 +84,19 @@ def test_cgroup_quota(tmp_path, files, expected):
     for name, text in files.items():
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text(text)
-    assert cgroup_cpu_limit(tmp_path) == expected
+    assert cgroup_cpu_limit(tmp_path, tmp_path / "no-self-cgroup") == expected
+
+
+def test_cgroup_quota_of_this_process_s_own_cgroup(tmp_path):
+    """Outside a container the quota is on the process's own cgroup (a Slurm job, a systemd slice), not the root."""
+    (tmp_path / "cpu.max").write_text("max 100000\n")
+    (tmp_path / "job" / "step").mkdir(parents=True)
+    (tmp_path / "job" / "step" / "cpu.max").write_text("200000 100000\n")
+    self_cgroup = tmp_path / "self_cgroup"
+    self_cgroup.write_text("0::/job/step\n")
+    assert cgroup_cpu_limit(tmp_path, self_cgroup) == 2.0
+    self_cgroup.write_text("0::/elsewhere\n")  # not under this root: the root's own file
+    assert cgroup_cpu_limit(tmp_path, self_cgroup) is None
 
 
 def test_usable_cores_is_the_affinity_capped_by_the_quota(monkeypatch):

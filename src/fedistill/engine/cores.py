@@ -41,9 +41,9 @@ except ImportError:  # pragma: no cover
     fcntl = None  # type: ignore[assignment]
 
 # A round's clients must hold at least this much arithmetic (training FLOPs, forward + backward) before worker
-# processes pay for themselves: a client task costs ~10-30 ms of pickling and process wake-ups, and starting
-# the pool 1-2 s (benchmarks/RESULTS.md "Cores shared with other processes"). make run's digits job does about
-# 3 GFLOP a round (its clients train faster in this process), the MNIST protocol's FedAvg about 2,000.
+# processes pay for themselves (benchmarks/RESULTS.md "Cores shared with other programs"): make run's digits job,
+# 2.9 GFLOP a round, was 1.24x slower in two workers than in one process (31 ms a round of pickling and process
+# wake-ups, and the pool's start); the MNIST protocol's FedAvg, 2,209 GFLOP a round, 1.7x faster.
 POOL_MIN_ROUND_FLOPS = 30e9
 # The shortest window over which busy cores are measured (the first plan waits for it, once).
 MIN_WINDOW_SECONDS = 0.2
@@ -56,11 +56,25 @@ def allowed_cpus() -> list[int]:
     return list(range(os.cpu_count() or 1))
 
 
-def cgroup_cpu_limit(root: Path = Path("/sys/fs/cgroup")) -> float | None:
+def own_cgroup(root: Path, self_cgroup: Path = Path("/proc/self/cgroup")) -> Path:
+    """This process's cgroup v2 directory under ``root`` (``0::/path`` of /proc/self/cgroup; ``root`` itself
+    inside a container, whose cgroup namespace makes its own cgroup the root)."""
+    try:
+        for line in self_cgroup.read_text().splitlines():
+            if line.startswith("0::"):
+                own = root / line[3:].strip().lstrip("/")
+                if (own / "cpu.max").is_file():
+                    return own
+    except OSError:
+        pass
+    return root
+
+
+def cgroup_cpu_limit(root: Path = Path("/sys/fs/cgroup"), self_cgroup: Path = Path("/proc/self/cgroup")) -> float | None:
     """The CPU quota of this process's cgroup in cores (cgroup v2 ``cpu.max``, or v1 ``cfs_quota_us``), or
     None when there is none."""
     try:
-        fields = (root / "cpu.max").read_text().split()
+        fields = (own_cgroup(root, self_cgroup) / "cpu.max").read_text().split()
         if fields and fields[0] != "max":
             return int(fields[0]) / int(fields[1])
         return None

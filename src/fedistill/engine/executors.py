@@ -1,9 +1,11 @@
 """Executors: where the clients of a round run.
 
-``SequentialExecutor`` runs them one after another in this process (all cores to each client).
+``SequentialExecutor`` runs them one after another in this process (``run.workers=1``).
 ``ProcessPoolExecutor`` runs them in ``workers`` processes with ``threads`` intra-op threads each: small
 models at batch 50 use two cores poorly inside one step, so two one-thread workers do about 1.3x the work
-of one two-thread process (benchmarks/RESULTS.md). Results do not depend on the executor's schedule:
+of one two-thread process (benchmarks/RESULTS.md). ``AdaptiveExecutor`` (``run.workers=auto``, the default)
+chooses between the two every round, and the pool's clients at once as clients finish, from the cores that
+are free (engine/cores.py). Results do not depend on the executor's schedule:
 every client draws from its own (seed, round, client) stream, replies are aggregated in client-id order,
 and each worker has the same thread count, so any pool of the same thread count gives identical numbers.
 """
@@ -21,7 +23,7 @@ import torch
 
 from ..errors import ConfigError
 from ..protocol import Message, RoundInfo
-from .cores import client_threads
+from .cores import client_threads, usable_cores
 from .interrupts import uninterrupted
 
 Task = tuple[int, RoundInfo, Message, dict[str, Any]]  # (client id, round info, broadcast, client state)
@@ -255,8 +257,6 @@ def _quiet_resource_sharer_resets() -> None:
 
 def check_workers(cfg: Any) -> None:
     """Refuse worker settings this machine cannot honour; called before any work (and by make_executor)."""
-    from .cores import usable_cores
-
     workers = cfg.run.workers
     cores = usable_cores()
     if cfg.run.threads is not None and cfg.run.threads > cores:
