@@ -226,6 +226,21 @@ def test_auto_workers_give_the_sequential_numbers_whatever_the_plan(make_config,
     assert strip == [{k: v for k, v in row.items() if "seconds" not in k} for row in sequential]
 
 
+def test_auto_workers_evaluate_personal_models_in_the_pool_like_in_this_process(make_config, digits, monkeypatch):
+    """MTFL's personalised evaluation runs through the executor too: in the planned pool, the same accuracies."""
+    from fedistill.engine import loop
+    from fedistill.simulation import Simulation
+
+    personal = {"algorithm": "mtfl", "partition.per_client_test": True, "partition.num_clients": 4, "clients_per_round": 4}
+    here = Simulation(make_config(rounds=2, **{**personal, "run.workers": 1}), digits).run()
+    planner = ScriptedPlanner([2] * 5)  # every round's training and its evaluation in two processes
+    monkeypatch.setattr(loop, "make_planner", lambda cfg, dataset, federation: planner)
+    pooled = Simulation(make_config(rounds=2, **{**personal, "run.workers": "auto"}), digits).run()
+    assert len(planner.calls) == 4 and planner.in_round >= 2  # two rounds, each a training and an evaluation
+    assert [r["personal_accuracies"] for r in pooled] == [r["personal_accuracies"] for r in here]
+    assert len(here[-1]["personal_accuracies"]) == 4
+
+
 def test_small_rounds_stay_in_this_process(make_config, digits):
     from fedistill.engine.loop import make_planner
     from fedistill.simulation import build_federation

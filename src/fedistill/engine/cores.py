@@ -218,6 +218,8 @@ class CoreLedger:
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
         with open(self.directory / "lock", "a+") as lock:
+            with contextlib.suppress(OSError):  # another user's runs take the same lock
+                os.chmod(lock.name, 0o666)
             if fcntl is not None:
                 fcntl.flock(lock, fcntl.LOCK_EX)
             try:

@@ -302,19 +302,18 @@ class AdaptiveExecutor:
         # training, not at the next round (a one-round run would otherwise keep both cores to the end).
         return self.planner.plan().processes
 
-    def run(self, tasks: Sequence[Task]) -> list[Result]:
-        processes = self._processes(tasks)
-        if processes == 1:
-            return self.sequential.run(tasks)
+    def _as_planned(self, tasks: Sequence[Task], method: str) -> Any:
+        """``method`` (run or evaluate) of the sequential executor when the plan is one process, else of the pool."""
+        if self._processes(tasks) == 1:
+            return getattr(self.sequential, method)(tasks)
         assert self._pool is not None
-        return self._pool.run(tasks, in_flight=self._in_flight)
+        return getattr(self._pool, method)(tasks, in_flight=self._in_flight)
+
+    def run(self, tasks: Sequence[Task]) -> list[Result]:
+        return self._as_planned(tasks, "run")
 
     def evaluate(self, tasks: Sequence[Task]) -> list[Message]:
-        processes = self._processes(tasks)
-        if processes == 1:
-            return self.sequential.evaluate(tasks)
-        assert self._pool is not None
-        return self._pool.evaluate(tasks, in_flight=self._in_flight)
+        return self._as_planned(tasks, "evaluate")
 
     def close(self, abandon: bool = False) -> None:
         try:
