@@ -101,7 +101,7 @@ def client_threads(cfg: Any) -> int:
     """Intra-op threads of every process of the run (this one and each worker): ``run.threads``, else 1.
 
     One thread, not one per core: a many-thread process waits at every operation for its slowest thread, which
-    on a core that another process keeps busy runs a time slice at a time (engine/cores.py); and the thread count
+    on a core that another process keeps busy runs a time slice at a time (the module docstring); and the thread count
     changes the order of floating-point sums, so with one thread a run's numbers depend neither on the machine's
     core count nor on how busy it was. Parallelism comes from worker processes (``run.workers``). The count is one
     of the settings a resume must keep (engine/checkpoint.py)."""
