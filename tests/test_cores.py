@@ -171,13 +171,15 @@ def test_plan_description():
 def test_planner_plans_from_the_measured_load_and_its_claim(tmp_path, monkeypatch):
     monkeypatch.setenv("FEDISTILL_CLAIMS", str(tmp_path))
     monkeypatch.setattr(cores, "usable_cores", lambda: 2)
-    planner = cores.CorePlanner(threads=1, max_processes=2)
+    clock = [100.0]  # the planner's clock, by hand
+    planner = cores.CorePlanner(threads=1, max_processes=2, clock=lambda: clock[0])
     loads = iter([1.0, 0.0])
     monkeypatch.setattr(planner.meter, "busy_elsewhere", lambda: next(loads))
     assert planner.plan().processes == 1
+    clock[0] += 0.05
     assert planner.plan().processes == 1  # asked again at once (header, then round 1): the same measurement
-    planner._measured = None
-    assert planner.plan().processes == 2  # the other program stopped
+    clock[0] += 1.0
+    assert planner.plan().processes == 2  # a new window: the other program stopped
     assert planner.plan(wanted=1).processes == 1  # a round of one client
     planner.close()
     assert not list(tmp_path.glob("*.json"))
@@ -328,3 +330,17 @@ def test_the_pool_keeps_at_most_the_planned_clients_at_once():
         peak.clear()
         executor._feed(list(range(8)), lambda: next(limits), lambda i: (client, i))
         assert len(peak) == 8 and max(peak[:3]) <= 3 and max(peak[3:]) == 1  # the first three, then one at a time
+
+
+def test_a_model_the_flop_counter_cannot_follow_gets_worker_processes(make_config, digits, monkeypatch):
+    """The FLOP count only decides whether processes pay off: a model it cannot run is treated as large."""
+    from fedistill.engine import run_setup
+    from fedistill.simulation import build_federation
+
+    class Refuses(torch.nn.Module):
+        def forward(self, x):
+            raise RuntimeError("needs a real batch")
+
+    monkeypatch.setattr(run_setup, "build_model_for", lambda *args, **kwargs: Refuses())
+    cfg = make_config()
+    assert run_setup.round_training_flops(cfg, digits, build_federation(cfg, digits)) == float("inf")

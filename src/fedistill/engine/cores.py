@@ -309,9 +309,15 @@ class CorePlanner:
     """Plans the client processes of each round (``run.workers=auto``) and keeps this run's claim current."""
 
     def __init__(
-        self, threads: int, max_processes: int, own_pids: Callable[[], Iterable[int]] = lambda: (), single_reason: str | None = None
+        self,
+        threads: int,
+        max_processes: int,
+        own_pids: Callable[[], Iterable[int]] = lambda: (),
+        single_reason: str | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.threads = threads
+        self.clock = clock
         self.max_processes = max(1, max_processes)
         # A run that never uses worker processes (a small round, an accelerator, one usable core) measures nothing:
         # it only claims its core, so that runs started beside it count it.
@@ -332,11 +338,11 @@ class CorePlanner:
                 self.ledger.claim(lambda claimed: self.threads)
                 self.last = CorePlan(self.usable, 0.0, 0, 1, self.threads, self.single_reason or "one process at most")
             return self.last
-        if self._measured is not None and time.monotonic() - self._measured[0] < MIN_WINDOW_SECONDS:
+        if self._measured is not None and self.clock() - self._measured[0] < MIN_WINDOW_SECONDS:
             busy = self._measured[1]  # planned a moment ago (the run header's plan, then round 1's)
         else:
             busy = self.meter.busy_elsewhere()
-            self._measured = (time.monotonic(), busy)
+            self._measured = (self.clock(), busy)
         seen: dict[str, int] = {}
 
         def decide(claimed: int) -> int:
