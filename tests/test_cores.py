@@ -344,3 +344,46 @@ def test_a_model_the_flop_counter_cannot_follow_gets_worker_processes(make_confi
     monkeypatch.setattr(run_setup, "build_model_for", lambda *args, **kwargs: Refuses())
     cfg = make_config()
     assert run_setup.round_training_flops(cfg, digits, build_federation(cfg, digits)) == float("inf")
+
+
+@pytest.mark.parametrize(
+    "script, unsafe",
+    [
+        ("from fedistill.engine.executors import unguarded_main_script as u\nprint(u())\n", True),
+        ("from fedistill.engine.executors import unguarded_main_script as u\nif __name__ == '__main__':\n    print(u())\n", False),
+        ("from fedistill.engine.executors import unguarded_main_script as u\ndef go():\n    print(u())\ngo()\n", True),
+        (
+            "from fedistill.engine.executors import unguarded_main_script as u\ndef go():\n    print(u())\n"
+            'if "__main__" == __name__:\n    go()\n',
+            False,
+        ),
+    ],
+)
+def test_worker_processes_are_never_started_from_an_unguarded_script(tmp_path, script, unsafe):
+    """A spawned worker imports the main script first: one that runs fedistill at its top level would run again."""
+    path = tmp_path / "user_script.py"
+    path.write_text(script)
+    out = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, check=True).stdout.strip()
+    assert out == (str(path) if unsafe else "None")
+    code = "from fedistill.engine.executors import unguarded_main_script as u; print(u())"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "None"
+
+
+def test_an_unguarded_script_gets_a_clear_error_for_a_worker_pool_and_no_pool_from_auto(tmp_path):
+    if cores.usable_cores() < 2:
+        pytest.skip("a one-core machine never plans worker processes")
+    path = tmp_path / "user_script.py"
+    path.write_text(
+        "import fedistill\n"
+        "from fedistill.config import build_config\n"
+        "from fedistill.engine.executors import check_workers\n"
+        "from fedistill.engine.loop import make_planner\n"
+        "try:\n"
+        "    check_workers(build_config({}, {'run.workers': 2, 'run.threads': 1}))\n"
+        "except fedistill.ConfigError as exc:\n"
+        "    print(exc)\n"
+        "print(make_planner(build_config({}), None, None).single_reason)\n"
+    )
+    out = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, check=True).stdout
+    assert f"run.workers: 2 worker processes would each run {path} again" in out and "__name__" in out
+    assert f"worker processes would run {path} again" in out.splitlines()[-1]

@@ -268,6 +268,12 @@ def check_workers(cfg: Any) -> None:
         return
     if cfg.run.device != "cpu":
         raise ConfigError(f"run.workers: parallel client workers run on the CPU only (run.device is {cfg.run.device!r}); use run.workers=1")
+    script = unguarded_main_script()
+    if script is not None:
+        raise ConfigError(
+            f"run.workers: {workers} worker processes would each run {script} again (a spawned process imports the "
+            "main script first); call fedistill.run under `if __name__ == \"__main__\":`, or use run.workers=auto or 1"
+        )
     threads = client_threads(cfg)
     if workers * threads > cores:
         raise ConfigError(
@@ -350,3 +356,43 @@ def make_executor(
     if cfg.run.workers == 1:
         return SequentialExecutor(client_runtime)
     return ProcessPoolExecutor(cfg, dataset, federation, cfg.run.workers, client_threads(cfg), runtime_factory)
+
+
+def unguarded_main_script() -> str | None:
+    """The path of the script that worker processes would run again, or None when starting them is safe.
+
+    Worker processes are spawned, and a spawned process imports the parent's ``__main__`` script again before it
+    does anything else. A script that calls ``fedistill.run`` at its top level, outside ``if __name__ ==
+    "__main__":``, would start the whole run again in every worker. Safe: no script (an interactive session,
+    ``python -c``, a notebook), or the call made under that guard (the CLI's entry point, pytest, a guarded
+    script), or from code the script's top level did not reach directly."""
+    import ast
+    import sys
+
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if main is None or not path:
+        return None
+    frame = sys._getframe()
+    while frame is not None and not (frame.f_globals is main.__dict__ and frame.f_code.co_name == "<module>"):
+        frame = frame.f_back
+    if frame is None:
+        return None  # the script has finished its top level: a worker's import of it starts nothing of this
+    line = frame.f_lineno
+    try:
+        tree = ast.parse(open(path, encoding="utf-8").read())
+    except (OSError, SyntaxError, ValueError):
+        return path  # cannot tell: assume the worst
+
+    def is_main_test(test: ast.expr) -> bool:
+        if not (isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], ast.Eq)):
+            return False
+        sides = [test.left, test.comparators[0]]
+        return any(isinstance(s, ast.Name) and s.id == "__name__" for s in sides) and any(
+            isinstance(s, ast.Constant) and s.value == "__main__" for s in sides
+        )
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and is_main_test(node.test) and node.body[0].lineno <= line <= (node.body[-1].end_lineno or line):
+            return None
+    return path

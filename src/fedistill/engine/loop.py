@@ -18,7 +18,7 @@ from ..data.pipeline import TensorPipeline
 from ..protocol import Algorithm, Message, RoundInfo, ServerContext
 from .client import AlgorithmFactory, ClientRuntime
 from .cores import POOL_MIN_ROUND_FLOPS, CorePlanner, client_threads, usable_cores
-from .executors import AdaptiveExecutor, ProcessPoolExecutor, SequentialExecutor, make_executor
+from .executors import AdaptiveExecutor, ProcessPoolExecutor, SequentialExecutor, make_executor, unguarded_main_script
 from .federation import Federation, build_federation
 from .run_setup import apply_process_settings, round_info, round_training_flops
 from .server import RunState, ServerRuntime
@@ -184,6 +184,8 @@ def make_planner(cfg: Any, dataset: Any, federation: Any) -> Any:
         why = "one client a round"
     elif cfg.run.device != "cpu":
         most, why = 1, f"clients on {cfg.run.device}"
+    elif (script := unguarded_main_script()) is not None:
+        most, why = 1, f"worker processes would run {script} again (call fedistill.run under `if __name__ == \"__main__\":`)"
     else:
         flops = round_training_flops(cfg, dataset, federation)
         if flops < POOL_MIN_ROUND_FLOPS:
