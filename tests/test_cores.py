@@ -365,6 +365,9 @@ def test_worker_processes_are_never_started_from_an_unguarded_script(tmp_path, s
     path.write_text(script)
     out = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, check=True).stdout.strip()
     assert out == (str(path) if unsafe else "None")
+
+
+def test_python_dash_c_has_no_script_to_run_again():
     code = "from fedistill.engine.executors import unguarded_main_script as u; print(u())"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "None"
 
