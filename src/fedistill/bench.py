@@ -361,12 +361,12 @@ def bench(
     from .runner import make_console
 
     console = console or make_console(wide=True)
-    from .engine.cores import job_overrides, usable_cores
+    from .engine.cores import job_overrides, override_keys, usable_cores
 
     # One-thread, one-process cells, however many run at once: the leaderboard's % of peak is per thread, and a
     # cell's numbers do not depend on --jobs. (Ray places cells on its own cluster's CPUs: no local core check.)
     overrides = job_overrides("bench", jobs, overrides or [], one_process_runs=True, check_cores=ray_address is None)
-    if not any(o.split("=", 1)[0].strip() == "run.threads" for o in overrides):
+    if "run.threads" not in override_keys(overrides):
         overrides.append("run.threads=1")
     threads = next(o.split("=", 1)[1].strip() for o in reversed(overrides) if o.split("=", 1)[0].strip() == "run.threads")
     overrides += ["run.progress=false"]

@@ -289,19 +289,15 @@ class CorePlan:
     def describe(self) -> str:
         """The run header's line: what was chosen and why."""
         if self.single_reason:
-            threads = f"{self.threads} thread{'s' if self.threads != 1 else ''}"
-            return f"{self.usable} core{'s' if self.usable != 1 else ''} usable, {self.single_reason}: clients in this process, {threads}"
+            return f"{count(self.usable, 'core')} usable, {self.single_reason}: clients in this process, {count(self.threads, 'thread')}"
         taken = []
         if round(self.busy_elsewhere):
             taken.append(f"{round(self.busy_elsewhere)} busy")
         if self.claimed_elsewhere:
             taken.append(f"{self.claimed_elsewhere} claimed by other fedistill runs")
-        why = f"{self.usable} core{'s' if self.usable != 1 else ''} usable" + (f", {' and '.join(taken)}" if taken else "")
-        how = (
-            f"{self.processes} client processes of {self.threads} thread{'s' if self.threads != 1 else ''}"
-            if self.processes > 1
-            else f"clients in this process, {self.threads} thread{'s' if self.threads != 1 else ''}"
-        )
+        why = f"{count(self.usable, 'core')} usable" + (f", {' and '.join(taken)}" if taken else "")
+        threads = count(self.threads, "thread")
+        how = f"{self.processes} client processes of {threads}" if self.processes > 1 else f"clients in this process, {threads}"
         return f"{why}: {how}"
 
 
@@ -359,7 +355,13 @@ class CorePlanner:
 
 
 def override_keys(overrides: Iterable[str]) -> set[str]:
+    """The keys of ``KEY=VALUE`` overrides."""
     return {o.split("=", 1)[0].strip() for o in overrides}
+
+
+def count(n: int, word: str) -> str:
+    """``1 thread``, ``2 threads``: the header's counts."""
+    return f"{n} {word}{'' if n == 1 else 's'}"
 
 
 def job_overrides(

@@ -17,7 +17,7 @@ from ..data.dataset import Dataset
 from ..data.pipeline import TensorPipeline
 from ..protocol import Algorithm, Message, RoundInfo, ServerContext
 from .client import AlgorithmFactory, ClientRuntime
-from .cores import POOL_MIN_ROUND_FLOPS, CorePlanner, client_threads, usable_cores
+from .cores import POOL_MIN_ROUND_FLOPS, CorePlanner, client_threads, count, usable_cores
 from .executors import AdaptiveExecutor, ProcessPoolExecutor, SequentialExecutor, make_executor, unguarded_main_script
 from .federation import Federation, build_federation
 from .run_setup import apply_process_settings, round_info, round_training_flops
@@ -80,7 +80,7 @@ class RoundLoop:
         """How this run uses the cores, and why (the run header's line): ``run.workers=auto`` plans it now
         (engine/cores.py; round 1 uses this plan, later rounds their own), a fixed count says so."""
         executor = self.executor
-        threads = f"{client_threads(self.cfg)} thread{'s' if client_threads(self.cfg) != 1 else ''}"
+        threads = count(client_threads(self.cfg), "thread")
         if isinstance(executor, AdaptiveExecutor):
             planner = executor.planner
             return planner.plan(wanted=self.cfg.clients_per_round).describe() + (" (planned every round)" if planner.max_processes > 1 else "")
@@ -179,7 +179,7 @@ def make_planner(cfg: Any, dataset: Any, federation: Any) -> Any:
     usable = usable_cores()
     most, why = max(1, min(usable // threads, cfg.clients_per_round)), None
     if usable // threads < 2:
-        why = f"{threads} thread{'s' if threads != 1 else ''} each"
+        why = f"{count(threads, 'thread')} each"
     elif cfg.clients_per_round < 2:
         why = "one client a round"
     elif cfg.run.device != "cpu":
