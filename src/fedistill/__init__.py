@@ -1,6 +1,6 @@
 """fedistill: federated learning on non-IID data through knowledge distillation.
 
-The public API (issue 27; README "Python"): :func:`run`, :func:`load_run`, :func:`compare`, :func:`make_config`,
+The public API (issue 27; docs/usage.md "Python"): :func:`run`, :func:`load_run`, :func:`compare`, :func:`make_config`,
 :class:`Config`, :class:`RunResult`, and the extension points :class:`Algorithm`, :class:`AlgorithmParams`,
 :class:`Message`, :func:`register_algorithm`, :func:`register_dataset`, :func:`register_model`,
 :func:`register_partition`. Imported on first use, so ``import fedistill`` stays light (the CLI starts fast).

@@ -9,7 +9,7 @@
   started with ``--isolation process`` (imports and the client's data once, not per message);
 - :mod:`.supernode`: ``python -m fedistill.flower supernode``, flower-supernode polling faster during a run.
 
-``python -m fedistill.flower app --config X.yaml --out DIR`` writes an app directory (README.md, "Running
+``python -m fedistill.flower app --config X.yaml --out DIR`` writes an app directory (docs/flower.md, "Running
 across machines").
 Importing this package does not import flwr; its submodules do.
 """

@@ -3,10 +3,10 @@
     python -m fedistill.flower app --config configs/digits_fedavg.yaml --out flower-app \
         --set partition.num_clients=3 --round-timeout 300 --run-dir runs/digits-flower
 
-Then ``flwr run flower-app <connection> --stream`` (README.md, "Running across machines"). An unset
+Then ``flwr run flower-app <connection> --stream`` (docs/flower.md). An unset
 ``run.threads`` is written as the count ``fedistill run`` uses on this machine (see :mod:`.project`).
 
-Two more commands make deployment rounds fast (README, "Running across machines"):
+Two more commands make deployment rounds fast (docs/flower.md):
 
     python -m fedistill.flower supernode [--poll-interval 0.1] <flower-supernode options>   (:mod:`.supernode`)
     python -m fedistill.flower clientapp --insecure --runtime-api-address 127.0.0.1:9094      (:mod:`.worker`)

@@ -485,7 +485,7 @@ def server_main(grid: Grid, context: Context) -> None:
 
     ``flwr run`` itself exits 0 whatever the run does (it only submits, and ``--stream`` only follows the
     logs), so a script reads the outcome from ``flwr ls`` (status ``finished:failed``) or from the run
-    directory's summary.json (README, "Failures and resume").
+    directory's summary.json (docs/flower.md, "Failures and resume").
     """
     _quicker_reply_pulls()
     try:

@@ -3,7 +3,7 @@
 The app's components are ``fedistill.flower.app:server_app`` and ``fedistill.flower.app:client_app``,
 imported from the environment fedistill is installed in; the app declares no dependencies, so that even
 a SuperLink that installs app dependencies at runtime has nothing to install (start it with
-``--disable-runtime-dependency-installation`` anyway: see README.md, "Running across machines"). The fedistill
+``--disable-runtime-dependency-installation`` anyway: see docs/flower.md). The fedistill
 configuration is carried inline (``config-json``), so the SuperLink machine needs no copy of the YAML file.
 
 An unset ``run.threads`` is written as the thread count ``fedistill run`` of the same configuration uses
