@@ -313,6 +313,34 @@ def test_batched_teacher_pass_equals_one_module_per_teacher(name, vmapped):
     assert torch.allclose(ensemble.logits(2, x), expected[2], atol=1e-5)
 
 
+def test_channels_last_teachers_keep_the_models_layout_and_values():
+    """The teachers' weight views take the template's strides (run.channels_last: every convolution kernel
+    channels-last, the 1-channel first kernel's size-1 stride included), so their activations are channels-last
+    like the clients' (the fast max-pooling path) and each teacher still computes its own module's logits."""
+    from fedistill.models import build_model
+
+    models = []
+    for seed in range(3):
+        torch.manual_seed(seed)
+        models.append(build_model("cnn", (1, 12, 12), M, channels=(4, 8), hidden=16).to(memory_format=torch.channels_last).eval())
+    ensemble = TeacherEnsemble().load(models[0], [get_flat(m) for m in models], torch.device("cpu"))
+    for name, weight in models[0].named_parameters():
+        for k in range(3):
+            assert ensemble.members[k][name].stride() == weight.stride(), name
+            assert torch.equal(ensemble.members[k][name], dict(models[k].named_parameters())[name])
+    assert ensemble.members[0]["conv1.weight"].stride() == (25, 1, 5, 1)  # (4, 1, 5, 5) channels-last
+    captured = []
+    ensemble._template.conv1.register_forward_hook(lambda module, args, out: captured.append(out))
+    x = torch.randn(5, 1, 12, 12, requires_grad=True)
+    logits = ensemble.all_logits(x)
+    assert captured[-1].is_contiguous(memory_format=torch.channels_last) and not captured[-1].is_contiguous()
+    expected = torch.stack([m(x) for m in models])
+    assert torch.allclose(logits, expected, atol=1e-5)
+    (grad,) = torch.autograd.grad(logits.sum(), x)  # the generator's gradient goes through the teachers
+    (expected_grad,) = torch.autograd.grad(expected.sum(), x)
+    assert torch.allclose(grad, expected_grad, atol=1e-5)
+
+
 # -- regressions for planted bugs: label allocation, the 1/|S_t| of L_dis, BatchNorm modes, the lr schedule ----
 def test_pseudo_labels_follow_the_pooled_label_counts_not_a_uniform_draw():
     """Card Eq. 9 and StratifiedLabels: the labels the generator is conditioned on are allocated in proportion to

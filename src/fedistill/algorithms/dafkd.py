@@ -78,7 +78,7 @@ from .aggregate import aggregation_weights, weighted_mean
 from .base import ClientContext, Message, RoundInfo, ServerContext
 from .fedavg import FedAvg, FedAvgParams
 from .local import autocast_context, fused
-from .server_modules import PersistentModule
+from .server_modules import PersistentModule, is_channels_last
 
 GENERATOR_KEY = "dafkd_generator"  # server.state: the global generator θ_g (flat, BN statistics included)
 DISCRIMINATOR_KEY = "dafkd_discriminator"  # client.state: ψ_k (shared design) or the whole separate network
@@ -482,6 +482,10 @@ class DaFKD(FedAvg):
                 "dcgan", tuple(client.model.input_shape), client.data.num_classes,
                 noise_dim=self.params.noise_dim, ngf=self.params.generator_width,
             ).to(client.device)  # fmt: skip
+            if is_channels_last(client.model):  # as the run's models (run.channels_last): the last transposed
+                # convolution (n_g -> 1 channel, 3x3) took 10.9 ms a batch in NCHW bf16 against 0.84 ms
+                # channels-last (32 x 16 x 28 x 28, one thread), 12 % of fd-mnist's DaFKD round
+                self._client_generator = self._client_generator.to(memory_format=torch.channels_last)
         set_flat(self._client_generator, vector)
         return self._client_generator
 

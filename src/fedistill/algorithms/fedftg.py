@@ -113,6 +113,20 @@ class HeadOnly(nn.Module):
         return self.model.classify(features)
 
 
+def _like_template(stacked: torch.Tensor, template: torch.Tensor) -> torch.Tensor:
+    """``stacked`` (K teachers' copies of one weight) laid out so that each teacher's slice has the template
+    weight's strides: channels-last convolution kernels stay channels-last, as in the run's models
+    (run.channels_last), down to the stride of a 1-channel kernel's size-1 dimension, which decides the layout
+    of the convolution's output. With contiguous kernel views the teachers' convolutions wrote NCHW
+    activations, whose 2x2 max-pooling with gradient (the generator's training goes through the teachers) ran
+    4-9x slower than on channels-last ones (bf16, one thread, (50, 16, 28, 28): 2.9 ms against 0.37 ms), 14-20 %
+    of FedDF's round. The values are the same; only the strides differ."""
+    if template.stride() == stacked[0].stride():
+        return stacked
+    laid_out = torch.empty_strided(stacked.shape, (template.numel(), *template.stride()), dtype=stacked.dtype, device=stacked.device)
+    return laid_out.copy_(stacked)
+
+
 class TeacherEnsemble:
     """The round's client models as parameter dicts over one reusable template module.
 
@@ -139,9 +153,11 @@ class TeacherEnsemble:
             self._template, self._batched_ok = template, None
         stacked = torch.stack([v.float() for v in vectors]).to(device)  # (K, P): a copy, the replies stay as sent
         self.stacked, offset = {}, 0
+        state = template.state_dict(keep_vars=True)
         for name, shape in zip(self._names, self._shapes):
             n = shape.numel()
-            self.stacked[name] = stacked[:, offset : offset + n].view(len(vectors), *shape)
+            view = stacked[:, offset : offset + n].view(len(vectors), *shape)
+            self.stacked[name] = _like_template(view, state[name])
             offset += n
         self.members = [{name: t[k] for name, t in self.stacked.items()} for k in range(len(vectors))]
         return self

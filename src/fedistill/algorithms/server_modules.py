@@ -45,7 +45,7 @@ class PersistentModule:
         vector = self.init_state(server)
         if self._module is None:
             module = self.initial(server).to(server.device)
-            if _channels_last(server.model):  # as the run's models (run.channels_last): FedFTG's fine-tune
+            if is_channels_last(server.model):  # as the run's models (run.channels_last): FedFTG's fine-tune
                 module = module.to(memory_format=torch.channels_last)  # took 9.9 s instead of 11.6 s on CPU
             self._module = module
         set_flat(self._module, vector)  # copies into the tensors, keeping their memory format
@@ -55,7 +55,7 @@ class PersistentModule:
         server.state[self.key] = get_flat(module)
 
 
-def _channels_last(model: nn.Module) -> bool:
+def is_channels_last(model: nn.Module) -> bool:
     """Whether ``model``'s convolution weights are stored channels-last (a 1-channel kernel is both formats)."""
     return any(
         t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last) and not t.is_contiguous()
