@@ -127,6 +127,19 @@ def test_diverged_seeds_are_counted_in_both_tables(tmp_path):
     assert "<td>3/3, 2 diverged</td>" in page
 
 
+def test_the_leaderboard_says_on_how_many_threads_its_peak_was_measured():
+    """% of peak is relative to the rate of the threads each cell has; a leaderboard.json from before says all cores."""
+    from types import SimpleNamespace
+
+    from fedistill.report.leaderboard import leaderboard_markdown
+
+    suite = SimpleNamespace(title="t", description="", seeds=[0], target_accuracy=None, all_notes=lambda: [], settings={})
+    one = {"bf16_peak_gflops_per_s": 205.6, "bf16_peak_threads": 1}
+    assert "matmul rate on 1 thread, as each cell runs (206 GFLOP/s" in leaderboard_markdown(suite, [one])
+    assert "matmul rate on 2 threads, as each cell runs" in leaderboard_markdown(suite, [{**one, "bf16_peak_threads": 2}])
+    assert "matmul rate on all cores (181 GFLOP/s" in leaderboard_markdown(suite, [{"bf16_peak_gflops_per_s": 181.0}])
+
+
 def test_one_cell_at_a_time_then_the_rest_reuses_it(tmp_path, capsys):
     path = _suite(tmp_path, claims=CLAIMS[:1])
     out = tmp_path / "out"
@@ -361,5 +374,9 @@ def test_the_bf16_peak_is_the_best_any_bench_of_the_directory_measured(tmp_path)
     assert best_bf16_peak(tmp_path, 180.0) == 180.0
     assert best_bf16_peak(tmp_path, 82.0) == 180.0  # a loaded machine's reading
     assert best_bf16_peak(tmp_path, 195.0) == 195.0
+    assert best_bf16_peak(tmp_path, 400.0, threads=2) == 400.0  # kept per thread count:
+    assert best_bf16_peak(tmp_path, 150.0, threads=1) == 195.0  # a two-thread rate is not a one-thread peak
     (tmp_path / "bf16_peak.json").write_text("not json")
     assert best_bf16_peak(tmp_path, 90.0) == 90.0  # unreadable: the fresh measurement stands
+    (tmp_path / "bf16_peak.json").write_text('{"bf16_peak_gflops_per_s": 414.0}')  # an old file's all-core reading
+    assert best_bf16_peak(tmp_path, 205.0) == 205.0

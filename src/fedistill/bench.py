@@ -305,18 +305,22 @@ def measure_bf16_peak(threads: int, size: int = 2048, seconds: float = 1.0) -> f
 PEAK_FILE = "bf16_peak.json"
 
 
-def best_bf16_peak(root: Path, measured: float) -> float:
-    """The highest bf16 matmul rate any bench of this output directory measured, ``measured`` included (kept in
-    ``root/bf16_peak.json``). A peak is a best case: one measured while other work held the cores (a later bench
-    that re-ran a few cells beside other jobs read 82 GFLOP/s where the idle machine gave 181) would inflate every
-    cell's "% of peak", so a lower reading never replaces a higher one."""
+def best_bf16_peak(root: Path, measured: float, threads: int = 1) -> float:
+    """The highest bf16 matmul rate on ``threads`` threads that any bench of this output directory measured,
+    ``measured`` included (kept in ``root/bf16_peak.json``, one entry per thread count). A peak is a best case:
+    one measured while other work held the cores (a later bench that re-ran a few cells beside other jobs read
+    82 GFLOP/s where the idle machine gave 181) would inflate every cell's "% of peak", so a lower reading never
+    replaces a higher one. (Files written before the per-thread-count entries held one all-core reading: it is
+    not a one-thread peak and is not read.)"""
     path = Path(root) / PEAK_FILE
     try:
-        previous = float(json.loads(path.read_text())["bf16_peak_gflops_per_s"])
-    except (OSError, ValueError, KeyError, TypeError):
-        previous = 0.0  # none yet (or unreadable: the fresh measurement stands)
-    best = max(previous, measured)
-    path.write_text(json.dumps({"bf16_peak_gflops_per_s": best, "last_measured": measured}))
+        stored = json.loads(path.read_text())
+        by_threads = {str(k): float(v) for k, v in stored.get("by_threads", {}).items()}
+    except (OSError, ValueError, AttributeError, TypeError):
+        by_threads = {}  # none yet (or unreadable: the fresh measurement stands)
+    best = max(by_threads.get(str(threads), 0.0), measured)
+    by_threads[str(threads)] = best
+    path.write_text(json.dumps({"by_threads": by_threads, "last_measured": {"threads": threads, "gflops_per_s": measured}}))
     return best
 
 
@@ -361,7 +365,7 @@ def bench(
     from .runner import make_console
 
     console = console or make_console(wide=True)
-    from .engine.cores import job_overrides, override_keys, usable_cores
+    from .engine.cores import job_overrides, override_keys
 
     # One-thread, one-process cells, however many run at once: the leaderboard's % of peak is per thread, and a
     # cell's numbers do not depend on --jobs. (Ray places cells on its own cluster's CPUs: no local core check.)
@@ -421,8 +425,11 @@ def bench(
             for i, future in enumerate(as_completed(futures), 1):
                 _, seconds = future.result()
                 finished(futures[future], seconds, i)
-    peak = best_bf16_peak(root, measure_bf16_peak(usable_cores()))  # the machine's rate on all the cores it lends
-    rows = leaderboard_rows(suite, cells, peak)
+    # Against the rate of the threads a cell has (one, unless --set run.threads=N): two cells side by side each
+    # hold one core, so the all-core rate (2x on two cores) would halve every cell's share of what it could use.
+    cell_threads = int(threads)
+    peak = best_bf16_peak(root, measure_bf16_peak(cell_threads), cell_threads)
+    rows = leaderboard_rows(suite, cells, peak, cell_threads)
     claims = suite_claim_rows(suite, cells)
     write_leaderboard(suite, rows, root, cells, claims)
     console.print(f"leaderboard: {root / 'leaderboard.md'} (and .csv, .json, .html) after {_duration(time.perf_counter() - started)}")

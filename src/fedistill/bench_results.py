@@ -33,10 +33,13 @@ def _flops(cells: list[Any]) -> float | None:
     return None
 
 
-def leaderboard_rows(suite: Any, cells: list[Any], peak_gflops: float | None = None) -> list[dict[str, Any]]:
+def leaderboard_rows(
+    suite: Any, cells: list[Any], peak_gflops: float | None = None, peak_threads: int = 1
+) -> list[dict[str, Any]]:
     """Per setting, one row per method, ranked by final accuracy (mean over the finished seeds); n/a and
-    unfinished methods last. ``peak_gflops``: this machine's bf16 matmul rate on all its cores, measured by
-    this bench, against which each method's achieved rate (FLOPs of a round / seconds per round) is set."""
+    unfinished methods last. ``peak_gflops``: this machine's bf16 matmul rate on ``peak_threads`` threads (the
+    threads each cell has), measured by this bench, against which each method's achieved rate (FLOPs of a round
+    / seconds per round) is set."""
     rows = []
     for setting, spec in suite.settings.items():
         part = []
@@ -68,7 +71,7 @@ def leaderboard_rows(suite: Any, cells: list[Any], peak_gflops: float | None = N
             row.update(
                 gflops_per_round=flops / 1e9 if flops else None, achieved_gflops_per_s=achieved,
                 percent_of_bf16_peak=100 * achieved / peak_gflops if achieved and peak_gflops else None,
-                bf16_peak_gflops_per_s=peak_gflops,
+                bf16_peak_gflops_per_s=peak_gflops, bf16_peak_threads=peak_threads if peak_gflops else None,
             )  # fmt: skip
             part.append(row)
         ranked = sorted(

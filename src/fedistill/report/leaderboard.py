@@ -145,12 +145,21 @@ def leaderboard_markdown(suite, rows: list[dict[str, Any]], claims: list[dict[st
     lines = [f"# {suite.title}", ""]
     if suite.description:
         lines += [suite.description.strip(), ""]
-    peak = next((r.get("bf16_peak_gflops_per_s") for r in rows if r.get("bf16_peak_gflops_per_s")), None)
+    peak_row = next((r for r in rows if r.get("bf16_peak_gflops_per_s")), None)
+    if peak_row is None:
+        rate = "."
+    elif peak_row.get("bf16_peak_threads") is None:  # a leaderboard.json written before the per-thread peak
+        rate = f" on all cores ({peak_row['bf16_peak_gflops_per_s']:.0f} GFLOP/s, measured by this bench)."
+    else:
+        threads = peak_row["bf16_peak_threads"]
+        rate = (
+            f" on {threads} thread{'s' if threads != 1 else ''}, as each cell runs "
+            f"({peak_row['bf16_peak_gflops_per_s']:.0f} GFLOP/s, measured by this bench)."
+        )
     lines += [
         f"Seeds {suite.seeds}; ranked by final accuracy (mean ± std over the seeds that finished). GFLOP/round: one "
         "round's operations counted by torch.utils.flop_counter (first seed); % of bf16 peak: GFLOP/round over s/round "
-        "against this machine's bf16 matmul rate on all cores"
-        + (f" ({peak:.0f} GFLOP/s, measured by this bench)." if peak else "."),
+        "against this machine's bf16 matmul rate" + rate,
         "",
     ]  # fmt: skip
     notes = suite.all_notes()
