@@ -21,6 +21,7 @@ from fedistill.report.claims import (
     paired_interval,
     parse_claim,
     t_quantile_975,
+    wilcoxon_signed_rank,
 )
 from fedistill.reproduce import load_preset, reproduce
 
@@ -32,6 +33,58 @@ def test_t_quantiles_match_the_printed_tables():
         assert t_quantile_975(df) == pytest.approx(expected, abs=1.5e-3), df
     with pytest.raises(ValueError):
         t_quantile_975(0)
+
+
+def test_wilcoxon_signed_rank_matches_the_printed_table():
+    """Exact two-sided p against a statistics table (Wilcoxon signed-rank critical values, n = 10, two-sided
+    α = 0.05: reject when min(W+, W-) <= 8) and the counts behind it: 25 of the 1,024 sign patterns have a rank
+    sum <= 8 (subsets of 1..10 summing to 0..8: 1+1+1+2+2+3+4+5+6), 33 have one <= 9."""
+    all_up = wilcoxon_signed_rank([float(k) for k in range(1, 11)])
+    assert (all_up.n, all_up.w_plus, all_up.w_minus, all_up.exact) == (10, 55.0, 0.0, True)
+    assert all_up.p == pytest.approx(2 / 1024) and all_up.p_greater == pytest.approx(1 / 1024) and all_up.p_less == 1.0
+    at_critical = wilcoxon_signed_rank([1, 2, 3, 4, 5, 6, 7, -8, 9, 10])  # W- = 8: just significant
+    assert at_critical.w_minus == 8.0 and at_critical.p == pytest.approx(2 * 25 / 1024) and at_critical.p < 0.05
+    past_it = wilcoxon_signed_rank([1, 2, 3, 4, 5, 6, 7, 8, -9, 10])  # W- = 9: not
+    assert past_it.p == pytest.approx(2 * 33 / 1024) and past_it.p > 0.05
+    # n = 3, the smallest p possible: 2 / 8 (why 3 seeds cannot decide anything by this test)
+    assert wilcoxon_signed_rank([0.5, 2.0, 1.0]).p == pytest.approx(0.25)
+    # zeros are dropped (Wilcoxon's convention); all zeros: no test
+    assert wilcoxon_signed_rank([0.0, 3.0, 1.0, 2.0]).n == 3
+    assert wilcoxon_signed_rank([0.0, 0.0]) is None
+
+
+def test_wilcoxon_with_ties_equals_counting_every_sign_pattern():
+    """Tied |d| share their mean rank; the exact p is then the share of the 2^n sign patterns (each equally
+    likely under the null) whose W+ is at least as extreme, counted here one pattern at a time."""
+    import itertools
+
+    d = [1.0, -1.0, 2.0, 2.0, 2.0, -3.5, 4.0, 4.0, 0.0]
+    test = wilcoxon_signed_rank(d)
+    nonzero = [x for x in d if x]
+    ranks = {1.0: 1.5, 2.0: 4.0, 3.5: 6.0, 4.0: 7.5}  # |d| sorted: 1 1 2 2 2 3.5 4 4 -> ranks 1-2, 3-5, 6, 7-8
+    w_plus = sum(ranks[abs(x)] for x in nonzero if x > 0)
+    assert test.w_plus == w_plus == 1.5 + 4 * 3 + 7.5 * 2
+    sums = [sum(ranks[abs(x)] for x, up in zip(nonzero, signs) if up) for signs in itertools.product((0, 1), repeat=8)]
+    p_greater = sum(s >= w_plus for s in sums) / 256
+    p_less = sum(s <= w_plus for s in sums) / 256
+    assert test.p_greater == pytest.approx(p_greater) and test.p_less == pytest.approx(p_less)
+    assert test.p == pytest.approx(min(1.0, 2 * min(p_greater, p_less)))
+
+
+def test_wilcoxon_beyond_twenty_pairs_is_the_normal_approximation(monkeypatch):
+    """n > 20: W+ against N(n(n+1)/4, n(n+1)(2n+1)/24) with a continuity correction; close to the exact count."""
+    from fedistill.report import claims
+
+    d = [(-1.0) ** (k % 3 == 0) * k for k in range(1, 26)]  # 25 pairs, every third one negative
+    approx = wilcoxon_signed_rank(d)
+    assert not approx.exact and approx.n == 25
+    monkeypatch.setattr(claims, "EXACT_WILCOXON_MAX_N", 30)
+    exact = wilcoxon_signed_rank(d)
+    assert exact.exact and approx.p == pytest.approx(exact.p, abs=0.005)
+    # W+ = 325 for 1..25 all positive: z = (325 - 0.5 - 162.5) / sqrt(25·26·51/24) = 4.3588, two-sided 1.31e-5
+    assert claims.wilcoxon_signed_rank([float(k) for k in range(1, 26)]).p == pytest.approx(2 / 2**25)  # exact now
+    monkeypatch.setattr(claims, "EXACT_WILCOXON_MAX_N", 20)
+    assert claims.wilcoxon_signed_rank([float(k) for k in range(1, 26)]).p == pytest.approx(1.31e-5, rel=0.01)
 
 
 def test_paired_interval_on_hand_computed_numbers():
@@ -206,7 +259,12 @@ def test_the_seeds_cell_counts_the_claimed_side_of_each_relation():
         value=lambda c, m, s, metric: mb[(m, s)], available=lambda c, m: True, why_missing=lambda c, m, s: None,
     )  # fmt: skip
     cells = [claim_cells(row)["seeds"] for row in rows]
-    assert cells == ["2 (0/2 FedICT below)", "2 (1/2 Small below)", "2 (2/2 FedICT ahead)"]
+    # Wilcoxon, by hand: FedICT - FedAvg = (+3012.33, +3012.33), tied ranks 1.5 and 1.5, W+ = 3, the largest of
+    # the 4 sign patterns' W+ (0, 1.5, 1.5, 3): P(W+ >= 3) = 1/4, two-sided 0.5. Small - FedAvg = (-0.37, +0.03):
+    # ranks 2 and 1, W+ = 1, P(W+ <= 1) = 2/4 (patterns 0, 1, 2, 3), two-sided 1.
+    assert cells == [
+        "2 (0/2 FedICT below; Wilcoxon p=0.50)", "2 (1/2 Small below; Wilcoxon p=1.00)", "2 (2/2 FedICT ahead; Wilcoxon p=0.50)",
+    ]  # fmt: skip
     assert rows[0]["verdict"] == DOES_NOT_HOLD and rows[2]["verdict"] == HOLDS
     # an 'A ~ B' claim counts the seeds within its margin: Small - FedAvg is -0.37 and +0.03 MB
     (close,) = evaluate_claims(
