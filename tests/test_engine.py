@@ -59,11 +59,34 @@ def test_non_finite_global_model_stops_the_run_and_keeps_last_good_checkpoint(ma
         return out
 
     sim.algorithm.aggregate = poisoned
-    with pytest.raises(TrainingDiverged, match="round 3.*round 2"):
+    with pytest.raises(TrainingDiverged, match="round 3.*in the server's step .every upload was finite.*round 2"):
         sim.run()
     good = torch.load(tmp_path / "checkpoint.pt", weights_only=False)
     assert good["round"] == 2
     assert all(torch.isfinite(v).all() for v in good["global_model"].values())
+
+
+def test_a_non_finite_upload_names_the_client_and_the_entry(make_config, digits):
+    """The divergence error says which step went non-finite: here one client's local update (its weights)."""
+    from fedistill.protocol import Message
+
+    sim = Simulation(make_config(rounds=2), digits)
+    runtime = sim.client_runtime
+    real = runtime.algorithm.local_update
+    chosen = []
+
+    def poisoned(client, info, msg):
+        reply = real(client, info, msg)
+        if not chosen:
+            chosen.append(client.cid)
+            return Message({**reply, "weights": torch.full_like(reply["weights"], float("inf"))})
+        return reply
+
+    runtime.algorithm.local_update = poisoned
+    with pytest.raises(TrainingDiverged) as caught:
+        sim.run()
+    assert f"in the clients' local updates: non-finite uploads from client {chosen[0]} (weights)" in str(caught.value)
+    assert "round 1" in str(caught.value) and "local.lr" in str(caught.value)
 
 
 def test_summary_reports_best_final_and_rounds_to_target():

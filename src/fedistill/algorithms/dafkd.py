@@ -249,6 +249,12 @@ class DaFKD(FedAvg):
         )
 
     # -- schedule ---------------------------------------------------------------------------------
+    def step_sizes(self) -> dict[str, float]:
+        """Beside local.lr: the joint step's own lr when set, the generator's and the server distillation's."""
+        p = self.params
+        own = {"algorithm.client_lr": p.client_lr} if p.client_lr is not None else {}
+        return {**own, "algorithm.generator_lr": p.generator_lr, "algorithm.distill_lr": p.distill_lr}
+
     def distils(self, rnd: int) -> bool:
         """No distillation in round 1 (the card's round 0: the generator is untrained) or with E_d = 0."""
         return rnd >= 2 and self.params.distill_epochs > 0

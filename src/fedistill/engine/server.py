@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -58,6 +59,28 @@ def kl_from_uniform(counts: torch.Tensor) -> float:
 
 # {client id: personal_message} -> {client id: evaluation reply} (ServerRuntime.evaluate_assembled)
 ClientEvaluator = Callable[[RoundInfo, dict[int, Message]], dict[int, Message]]
+
+
+def non_finite_step(replies: Mapping[int, Any]) -> str:
+    """Which step made a round's global model non-finite, read off the uploads (only once it has happened): the
+    clients whose uploads hold NaN/inf and in which entries (a client's local update diverged; for a method that
+    uploads more than weights, the entry says which of its steps: DaFKD's ``generator`` is its generator step,
+    ``weights`` and ``discriminator`` its joint classifier-and-discriminator step), or, when every upload is
+    finite, the server's own step (aggregation, a server optimiser or a refiner)."""
+    bad: dict[int, list[str]] = {}
+    for cid, reply in replies.items():
+        for key, value in reply.items():  # a Message is flat: tensors and scalars
+            if torch.is_tensor(value) and value.is_floating_point():
+                finite = bool(torch.isfinite(value).all())
+            else:
+                finite = not isinstance(value, float) or math.isfinite(value)
+            if not finite:
+                bad.setdefault(cid, []).append(key)
+    if not bad:
+        return "in the server's step (every upload was finite: aggregation, the server optimiser or a refiner)"
+    shown = [f"client {cid} ({', '.join(keys)})" for cid, keys in list(bad.items())[:4]]
+    more = f" and {len(bad) - 4} more" if len(bad) > 4 else ""
+    return f"in the clients' local updates: non-finite uploads from {', '.join(shown)}{more}"
 
 
 class ServerRuntime:
@@ -274,7 +297,7 @@ class ServerRuntime:
         server_seconds = time.perf_counter() - aggregate_start
         rnd = info.round
         if not bool(torch.isfinite(get_flat(self.server.model)).all()):
-            self._diverged(rnd, info, "the global model became non-finite (NaN/inf)")
+            self._diverged(rnd, info, f"the global model became non-finite (NaN/inf) {non_finite_step(replies)}")
         losses = [(float(r["train_loss"]), int(r.get("num_samples", 1))) for r in replies.values() if "train_loss" in r]
         weight = sum(n for _, n in losses)
         row: dict[str, Any] = {
