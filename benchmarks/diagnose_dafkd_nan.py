@@ -34,6 +34,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--show", type=int, default=12, help="steps printed before the first non-finite one")
     parser.add_argument("--client", type=int, default=None, help="run only this client of round 1 and print its trajectory")
+    parser.add_argument("--engine", action="store_true", help="run round 1 through the engine (sim.run_round) instead of client by client")
+    parser.add_argument("--order", default=None, help="comma-separated client ids: run round 1's clients in this order")
     parser.add_argument("--every", type=int, default=20, help="with --client: print every N-th step")
     args = parser.parse_args(argv)
     preset = load_preset("benchmarks/presets/dafkd_reduced.yaml")
@@ -108,14 +110,35 @@ def main(argv: list[str] | None = None) -> int:
             return features
 
         client.model.extract = extract_watched
+        steps.clear()
         try:
-            return original_local_update(client, info, msg)
+            reply = original_local_update(client, info, msg)
         finally:
             del client.model.extract
+        if args.engine:
+            last = steps[-1] if steps else {}
+            worst = max((r["max_weight"] for r in steps), default=0.0)
+            print(f"client {client.cid}: {len(steps)} steps, last loss {last.get('loss', float('nan')):.4g}, "
+                  f"largest weight seen {worst:.4g}, finite {all(r['finite'] for r in steps)}", flush=True)
+        return reply
 
     algorithm.local_update = local_update
+    if args.engine:  # the round as the engine runs it (executor, client states, order)
+        try:
+            sim.run_round(1)
+        except Stop:
+            print(f"non-finite at step {len(steps)}")
+            for i, row in enumerate(steps[-args.show :], len(steps) - min(args.show, len(steps)) + 1):
+                print(f"  step {i}: " + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()))
+            return 1
+        except Exception as exc:  # TrainingDiverged: the engine's own message
+            print(f"{type(exc).__name__}: {exc}")
+            return 1
+        return 0
     info = sim.round_info(1)
     cids = sim.server_runtime.select_clients(1)
+    if args.order:
+        cids = [int(c) for c in args.order.split(",")]
     for cid in cids if args.client is None else [args.client]:
         steps.clear()
         counts = sim.federation.class_counts_of([cid])[0]
