@@ -275,16 +275,18 @@ def test_profiles_fill_unset_switches_and_explicit_values_win():
     p = make_algorithm(small_config(**DAFKD, **{"algorithm.profile": "code"})).params
     assert (p.ensemble_space, p.temperature, p.kd_reduction) == ("logits", 20.0, "mean")
     assert (p.discriminator_rounds, p.generator_rounds, p.gan_epochs, p.gradient_penalty) == (3, 5, 5, 0.3)
+    assert p.gradient_penalty_on == "sigmoid"
     assert (p.generator_output, p.distill_bn_mode) == ("data", "train")
     assert (p.client_optimizer, p.client_lr, p.client_weight_decay, p.distill_lr) == ("adam", 1e-4, 0.0, 1e-4)
     assert (p.generator_lr, p.generator_weight_decay) == (1e-4, 1e-4)
-    # The default: the code's switches, the clients on the run's local optimiser.
+    # The default: the code's switches, the clients on the run's local optimiser and the penalty on the logit.
     default = make_algorithm(small_config(**DAFKD)).params
     assert default.profile == "default"
     for name in DaFKDParams.model_fields:
-        if name not in ("profile", "client_optimizer", "client_lr", "client_weight_decay"):
+        if name not in ("profile", "client_optimizer", "client_lr", "client_weight_decay", "gradient_penalty_on"):
             assert getattr(default, name) == getattr(p, name), name
     assert (default.client_optimizer, default.client_lr, default.client_weight_decay) == ("sgd", None, None)
+    assert default.gradient_penalty_on == "logit"
     paper = make_algorithm(small_config(**DAFKD, **{"algorithm.profile": "paper"})).params
     assert (paper.ensemble_space, paper.temperature, paper.kd_reduction) == ("probs", 1.0, "batchmean")
     assert (paper.discriminator_rounds, paper.generator_rounds, paper.gan_epochs, paper.gradient_penalty) == (
@@ -403,6 +405,32 @@ def test_gradient_penalty_written_out_per_sample_over_the_whole_image():
     assert math.isclose(float(gp.detach()), expected, rel_tol=1e-5)
     gp.backward()  # the penalty trains the discriminator (create_graph)
     assert w.grad is not None and float(w.grad.abs().sum()) > 0
+
+
+def test_code_penalty_on_the_sigmoid_runs_away_on_one_class_clients_under_sgd_and_the_logit_penalty_does_not(digits):
+    """Issue 42's NaN at Dirichlet α = 0.05, on small data: a client that holds one class meets its CE through the
+    bias, and the joint SGD step then follows the discriminator's terms alone. With the code's penalty on
+    f = sigmoid(ℓ) the shared extractor and ψ_k run away (weights 1e4-1e7 or non-finite here, within 90 steps);
+    with the same penalty on the logit ℓ (the default) every weight stays near its start, as with no penalty."""
+    base = {
+        **DAFKD, **QUICK, "rounds": 1, "partition.scheme": "shards", "partition.alpha": None,
+        "partition.num_clients": 10, "partition.shards_per_client": 1, "local.epochs": 15, "local.lr": 0.03,
+        "local.weight_decay": 0.0, "algorithm.gan_epochs": None, "algorithm.distill_epochs": 0,
+    }  # fmt: skip
+    largest: dict[str, list[float]] = {}
+    for on in ("sigmoid", "logit"):
+        sim = Simulation(small_config(**base, **{"algorithm.gradient_penalty_on": on}), digits)
+        fed = sim.federation
+        one_class = [c for c in range(10) if fed.dataset.train_y[fed.train_indices[c]].unique().numel() == 1]
+        assert len(one_class) >= 4  # the shards of sorted labels give most clients a single digit
+        info = sim.round_info(1)
+        largest[on] = []
+        for cid in one_class[:4]:
+            reply = sim.client_runtime.update(cid, info, sim.server_runtime.broadcast(info, cid), {})
+            weights = reply["weights"]
+            largest[on].append(float(weights.abs().max()) if torch.isfinite(weights).all() else math.inf)
+    assert max(largest["sigmoid"]) > 1e3, largest  # the runaway
+    assert max(largest["logit"]) < 10, largest  # bounded: the initial weights are below 1
 
 
 def test_generator_output_is_read_as_pixels_and_normalised_like_the_data(digits):

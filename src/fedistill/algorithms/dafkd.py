@@ -23,7 +23,8 @@ norm); (3) the distillation inputs drawn and scored with generator and teachers 
 (``distill_bn_mode: train``); (4) teachers mixed as logits, softmax at T = 20, KL mean over B·M; (5) Adam 1e-4
 on the clients (no weight decay on the classifier; the generator's 1e-4) and on the server. ``profile:
 default`` is ``code`` with the clients on the run's local optimiser (the paper-side choice did better at short
-local training: the code trains E = 20 epochs). ``profile: paper`` is the card's earlier paper-side reading
+local training: the code trains E = 20 epochs) and the gradient penalty on the logit ℓ_k instead of the code's
+sigmoid(ℓ_k) (``gradient_penalty_on``; under SGD the code's form runs away on a one-class client, issue 42). ``profile: paper`` is the card's earlier paper-side reading
 (probabilities at T = 1, GAN every round, eval mode, raw tanh, Adam 1e-2 on the server). Any switch set
 explicitly wins over the profile. benchmarks/RESULTS.md has the ablation, one point at a time.
 
@@ -55,6 +56,7 @@ from __future__ import annotations
 import copy
 import math
 import time
+from collections.abc import Callable
 from typing import Any, Literal
 
 import torch
@@ -96,6 +98,7 @@ PROFILES: dict[str, dict[str, Any]] = {
         "generator_rounds": 5,
         "gan_epochs": 5,
         "gradient_penalty": 0.3,
+        "gradient_penalty_on": "sigmoid",
         # point 3: distillation inputs drawn, and teachers/discriminators scored, in train mode (batch statistics).
         "distill_bn_mode": "train",
         # point 4: teachers mixed as logits, softmax at T = 20, KLDivLoss mean over B·M, times T².
@@ -116,6 +119,7 @@ PROFILES: dict[str, dict[str, Any]] = {
         "generator_rounds": None,
         "gan_epochs": None,
         "gradient_penalty": 0.0,
+        "gradient_penalty_on": "logit",
         "distill_bn_mode": "eval",
         "ensemble_space": "probs",
         "temperature": 1.0,
@@ -131,11 +135,19 @@ PROFILES: dict[str, dict[str, Any]] = {
 # The default: the code profile on every point but the clients' optimiser, where the paper-side choice (the run's
 # local optimiser, as for every other method of a comparison) did better in the fidelity runs: at E = 2 local
 # epochs Adam 1e-4 barely trains (digits: 19 % at round 7 against 36 % with the run's SGD; the code uses E = 20).
+# And the penalty on the logit ℓ_k (WGAN-GP's critic), not the code's sigmoid(ℓ_k) (issue 42): with the run's SGD
+# the code's form runs away on a client that holds one class. Once the discriminator saturates,
+# ‖∇_x sigmoid(ℓ)‖ = sigmoid'(ℓ)·‖∇_x ℓ‖ ≤ ‖∇_x ℓ‖/4 falls towards 0, and (‖·‖ − 1)² then asks for a ‖∇_x ℓ‖ that
+# grows like 1/sigmoid'(ℓ): the shared features and ψ_k are pushed up together, which saturates further. Adam's
+# bounded steps (the code's optimiser) contain it; SGD's steps grow with the weights and overflow (Fashion-MNIST,
+# Dirichlet α = 0.05: weights 9e7, a fake logit of 1.7e6 in round 1). On the logit the same penalty asks for a
+# 1-Lipschitz ℓ_k along the interpolates, which bounds the logits instead of growing them.
 PROFILES["default"] = {
     **PROFILES["code"],
     "client_optimizer": "sgd",
     "client_lr": None,
     "client_weight_decay": None,
+    "gradient_penalty_on": "logit",
 }
 class DaFKDParams(FedAvgParams):
     profile: Literal["default", "code", "paper"] = Field(
@@ -182,6 +194,11 @@ class DaFKDParams(FedAvgParams):
     generator_lr: float = Field(1e-4, gt=0.0, description="client generator Adam lr (code 1e-4; card 1e-3)")
     generator_weight_decay: float = Field(1e-4, ge=0.0, description="client generator Adam weight decay (code 1e-4)")
     gradient_penalty: float = Field(0.3, ge=0.0, description="λ of the code's interpolation gradient penalty (0: off)")
+    gradient_penalty_on: Literal["logit", "sigmoid"] = Field(
+        "logit",
+        description="what the penalty differentiates: the logit ℓ_k (default; WGAN-GP's critic) or the code's "
+        "sigmoid(ℓ_k), which runs away under SGD on a one-class client (issue 42)",
+    )
     discriminator_rounds: int | None = Field(3, ge=0, description="train D only in the first N rounds (null: all)")
     generator_rounds: int | None = Field(5, ge=0, description="train G only in the first N rounds (null: all)")
     gan_epochs: int | None = Field(5, ge=0, description="train D and G only in the first N local epochs (null: all)")
@@ -440,10 +457,10 @@ class DaFKD(FedAvg):
                         real_logits = discriminator.logits(model, x, features)
                         fake_logits = discriminator.logits(model, fake)
                         loss = loss + discriminator_loss(real_logits, fake_logits)
-                        if p.gradient_penalty > 0:  # the code's penalty on f_k = sigmoid(ℓ_k) between x and x̂
+                        if p.gradient_penalty > 0:  # the penalty between x and x̂, on ℓ_k or (code) sigmoid(ℓ_k)
                             mix = torch.rand(x.shape[0], generator=client.generator).to(client.device)
                             loss = loss + interpolation_gradient_penalty(
-                                lambda v: torch.sigmoid(discriminator.logits(model, v)), x, fake, mix, p.gradient_penalty
+                                penalty_score(discriminator, model, p.gradient_penalty_on), x, fake, mix, p.gradient_penalty
                             )
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
@@ -538,6 +555,16 @@ class DaFKD(FedAvg):
             scores = torch.sigmoid(disc_logits.double())
         values = torch.softmax(logits.double() / p.temperature, dim=1) if p.ensemble_space == "probs" else logits.double()
         return {"weighted_predictions": (scores.unsqueeze(1) * values).cpu(), "domain_scores": scores.cpu()}
+
+
+def penalty_score(
+    discriminator: _Discriminator, model: nn.Module, on: str
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The score whose input gradient the penalty holds near norm 1: ``ℓ_k(x)`` (``on="logit"``) or the code's
+    ``f_k(x) = sigmoid(ℓ_k(x))`` (``on="sigmoid"``; see the default profile for why not by default)."""
+    if on == "sigmoid":
+        return lambda v: torch.sigmoid(discriminator.logits(model, v))
+    return lambda v: discriminator.logits(model, v)
 
 
 def output_map(
