@@ -1,0 +1,220 @@
+"""One documentation page per registered method, generated from the code (issue 43; docs/hooks.py builds them).
+
+A page holds what the method does (the opening of its card in ``spec/``), a parameter table built from the
+method's pydantic ``Params`` (name, default, description, constraints), the presets that run it (paper tables
+under ``configs/reproduce/``, reduced protocols under ``benchmarks/presets/``), its rows of every published
+leaderboard (``benchmarks/leaderboards/*/leaderboard.json``) and the claims that name it (``claims.json``). Nothing
+on a page is written by hand, so a new field, preset or leaderboard shows up at the next build; the tests compare
+each page's table with its class (tests/test_docs_site.py).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, get_args, get_origin
+
+import yaml
+from pydantic.fields import FieldInfo
+from pydantic_core import PydanticUndefined
+
+from ..registry import ALGORITHMS
+
+# Constraint classes of annotated_types, as pydantic stores them in FieldInfo.metadata: attribute -> symbol.
+_BOUNDS = {"ge": "≥", "gt": ">", "le": "≤", "lt": "<", "min_length": "length ≥", "max_length": "length ≤"}
+
+
+@dataclass(frozen=True)
+class ParameterRow:
+    """One row of a method's parameter table: the field as its class defines it."""
+
+    name: str
+    default: str
+    description: str
+    constraints: str
+
+
+def format_value(value: Any) -> str:
+    """A default as a reader would write it in a config: None as null, booleans in lower case, floats short."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float):
+        return f"{value:g}"
+    if isinstance(value, str):
+        return value
+    if isinstance(value, (list, tuple, dict)):
+        return json.dumps(value, default=str)
+    return str(value)
+
+
+def field_constraints(field: FieldInfo) -> str:
+    """Bounds (``≥ 0``) and, for a ``Literal`` (or an optional one), the allowed values; empty when free."""
+    parts = []
+    for item in field.metadata:
+        for attribute, symbol in _BOUNDS.items():
+            bound = getattr(item, attribute, None)
+            if bound is not None:
+                parts.append(f"{symbol} {format_value(bound)}")
+    choices = literal_choices(field.annotation)
+    if choices:
+        parts.append("one of " + ", ".join(format_value(c) for c in choices))
+    return "; ".join(parts)
+
+
+def literal_choices(annotation: Any) -> list[Any]:
+    """The values of a ``Literal[...]`` annotation, also inside ``X | None``; [] for any other type."""
+    if get_origin(annotation) is Literal:
+        return list(get_args(annotation))
+    choices: list[Any] = []
+    for arg in get_args(annotation):
+        if get_origin(arg) is Literal:
+            choices.extend(get_args(arg))
+    return choices
+
+
+def field_default(field: FieldInfo) -> str:
+    if field.default is PydanticUndefined:
+        return "required" if field.default_factory is None else format_value(field.default_factory())
+    return format_value(field.default)
+
+
+def parameter_rows(params_cls: Any) -> list[ParameterRow]:
+    """Every field of a method's ``Params`` class, in the class's order (inherited fields first, as pydantic
+    keeps them)."""
+    return [
+        ParameterRow(name, field_default(field), (field.description or "").strip(), field_constraints(field))
+        for name, field in params_cls.model_fields.items()
+    ]
+
+
+def _cell(text: str) -> str:
+    """Text safe inside a Markdown table cell."""
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def parameter_table(rows: list[ParameterRow]) -> str:
+    if not rows:
+        return "This method has no parameters of its own.\n"
+    lines = ["| parameter | default | description | constraints |", "|---|---|---|---|"]
+    lines += [f"| `{r.name}` | `{_cell(r.default)}` | {_cell(r.description)} | {_cell(r.constraints)} |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def card_of(name: str, cls: type, spec_dir: Path) -> Path | None:
+    """The method's card: the first ``spec/X.md`` its module or class docstring cites, else ``spec/NAME.md``."""
+    module = sys.modules.get(cls.__module__)
+    text = ((module.__doc__ if module else "") or "") + (cls.__doc__ or "")
+    for cited in re.findall(r"spec/([\w.-]+\.md)", text):
+        if (spec_dir / cited).exists():
+            return spec_dir / cited
+    own = spec_dir / f"{name}.md"
+    return own if own.exists() else None
+
+
+def card_summary(card: Path, title: str) -> str:
+    """The card's section on this method: a ``## ...`` section whose heading names it (cards that hold several
+    methods), else its "Idea" section, else the text before the first section; without the heading."""
+    sections = re.split(r"(?m)^(?=## )", card.read_text(encoding="utf-8"))
+    key = title.lower()
+    chosen = next((s for s in sections[1:] if key in s.splitlines()[0].lower()), None)
+    if chosen is None:
+        chosen = next((s for s in sections[1:] if "idea" in s.splitlines()[0].lower()), sections[0])
+    body = chosen.split("\n", 1)[1] if chosen.startswith("#") else chosen
+    # Headings of the card would nest under the page's own; make them bold lines instead.
+    body = re.sub(r"(?m)^#{1,6} (.*)$", r"**\1**", body)
+    return body.strip() + "\n"
+
+
+def presets_using(name: str, preset_dirs: list[Path]) -> list[tuple[str, str, list[str]]]:
+    """(preset file, title, the preset's method labels that run ``name``) for every preset that runs it."""
+    found = []
+    for directory in preset_dirs:
+        for path in sorted(directory.glob("*.yaml")):
+            data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+            labels = []
+            for label, spec in (data.get("methods") or {}).items():
+                algorithm = ((spec or {}).get("config") or {}).get("algorithm") or {}
+                if algorithm.get("name") == name or name in (algorithm.get("plus") or {}):
+                    labels.append(label)
+            if labels:
+                found.append((f"{directory.name}/{path.name}", str(data.get("title", path.stem)), labels))
+    return found
+
+
+def leaderboard_rows(name: str, leaderboard_dir: Path) -> list[tuple[str, dict[str, Any]]]:
+    """(suite, row) for each published leaderboard row of ``name``."""
+    rows = []
+    for path in sorted(leaderboard_dir.glob("*/leaderboard.json")):
+        for row in json.loads(path.read_text(encoding="utf-8")):
+            if row.get("method") == name:
+                rows.append((path.parent.name, row))
+    return rows
+
+
+def claims_naming(name: str, claims_files: list[Path]) -> list[tuple[str, dict[str, Any]]]:
+    """(source, claim) for each recorded claim with ``name`` on either side of one of its links."""
+    found = []
+    for path in claims_files:
+        for claim in json.loads(path.read_text(encoding="utf-8")):
+            names = {link.get(side) for link in claim.get("links", []) for side in ("a", "b")}
+            if name in names:
+                found.append((path.parent.name, claim))
+    return found
+
+
+def method_page(name: str, root: Path) -> str:
+    """The Markdown page of registered method ``name``; ``root`` is the repository (spec/, configs/, benchmarks/)."""
+    cls = ALGORITHMS.get(name)
+    title = ALGORITHMS.describe(name).split(":")[0].strip() or name
+    lines = [f"# {title} (`algorithm.name: {name}`)", "", ALGORITHMS.describe(name), ""]
+    card = card_of(name, cls, root / "spec")
+    lines += ["## What it does", ""]
+    if card is not None:
+        lines += [f"From its card, `spec/{card.name}`:", "", card_summary(card, title)]
+    else:
+        lines += ["No card in `spec/` (the class docstring is the reference).", ""]
+    lines += ["## Parameters", "", "Set under `algorithm:` in a config, or `--set algorithm.KEY=VALUE`.", ""]
+    lines += [parameter_table(parameter_rows(cls.Params))]
+    presets = presets_using(name, [root / "configs" / "reproduce", root / "benchmarks" / "presets"])
+    lines += ["## Presets that run it", ""]
+    if presets:
+        lines += ["| preset | title | as |", "|---|---|---|"]
+        lines += [f"| `{p}` | {_cell(t)} | {', '.join(_cell(label) for label in ls)} |" for p, t, ls in presets]
+        lines += ["", "Run one with `fedistill reproduce PRESET` (a file under benchmarks/presets/ by its path)."]
+    else:
+        lines += ["No preset runs it."]
+    lines += ["", "## Leaderboard rows", ""]
+    rows = leaderboard_rows(name, root / "benchmarks" / "leaderboards")
+    if rows:
+        lines += ["| suite | setting | rank | final acc % | MB/round | s/round | seeds |", "|---|---|---|---|---|---|---|"]
+        for suite, r in rows:
+            accuracy = "n/a" if r.get("final_accuracy") is None else f"{r['final_accuracy']:.2f} ± {r.get('final_accuracy_std') or 0:.2f}"
+            seconds = "" if r.get("seconds_per_round") is None else f"{r['seconds_per_round']:.1f}"
+            mb = "" if r.get("mb_per_round") is None else f"{r['mb_per_round']:.1f}"
+            lines.append(f"| {suite} | {_cell(r.get('label', r['setting']))} | {r.get('rank', '')} | {accuracy} | {mb} | {seconds} | {r.get('finished', '')}/{r.get('seeds', '')} |")
+    else:
+        lines += ["Not in a published leaderboard yet."]
+    lines += ["", "## Claims", ""]
+    claims = claims_naming(name, sorted((root / "benchmarks").glob("**/claims.json")))
+    if claims:
+        lines += ["| source | claim | setting | metric | verdict |", "|---|---|---|---|---|"]
+        lines += [
+            f"| {src} | {_cell(c['claim'])} | {_cell(c.get('setting', ''))} | {c.get('metric', '')} | {c.get('verdict', '')} |"
+            for src, c in claims
+        ]
+    else:
+        lines += ["No recorded claim names it."]
+    return "\n".join(lines) + "\n"
+
+
+def methods_index(root: Path) -> str:
+    """The Methods section's landing page: every registered method with its one-line help."""
+    lines = ["# Methods", "", "Every method registered in fedistill, one generated page each.", ""]
+    lines += ["| method | what it does |", "|---|---|"]
+    lines += [f"| [`{name}`]({name}.md) | {_cell(ALGORITHMS.describe(name))} |" for name in ALGORITHMS.names()]
+    return "\n".join(lines) + "\n"
