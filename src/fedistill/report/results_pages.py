@@ -3,7 +3,7 @@
 - the claims table from every committed ``claims.json`` (one row per link of a claim: the paired difference with its
   95 % t-interval, the seeds ahead, Wilcoxon's p and the verdict);
 - one page per published leaderboard from its ``leaderboard.json`` (every row of every setting) and its figures;
-- benchmarks/RESULTS.md, the lab notebook, split by topic (fidelity, claims, speed, GPU, scale, Flower, other) into
+- benchmarks/RESULTS.md, the lab notebook, split by topic (GPU, Flower, fidelity, claims, leaderboards, scale, speed) into
   pages, newest first within each: its ``## `` sections carry their dates in the heading.
 """
 
@@ -18,11 +18,12 @@ from typing import Any
 TOPICS: list[tuple[str, str, tuple[str, ...]]] = [
     ("gpu", "The GPU path", ("gpu", "cuda", "h100", "h200")),
     ("flower", "Flower across machines", ("flower", "superlink", "supernode")),
-    ("scale", "Scale", ("scale", "clients", "client state", "10,000")),
-    ("speed", "Speed", ("speed", "cores", "contention", "profile", "where the time", "fast", "cost", "seconds",
-                        "layout", "peak", "bench", "fedavg on the fedlmd mnist protocol", "re-run")),
-    ("claims", "Claims over seeds", ("claim", "seeds", "over 3", "10 seeds", "wilcoxon", "non-finite", "nan")),
-    ("fidelity", "Fidelity to the papers", ()),  # every other section: the methods against their papers
+    ("fidelity", "Fidelity to the papers", ("fidelity", "table 1", "table 3", "'s mnist protocol",
+                                             "bitwise", " against fedavg")),
+    ("claims", "Claims over seeds", ("claim", "10 seeds", "over 3 seeds", "wilcoxon", "non-finite", "nan")),
+    ("leaderboards", "Leaderboards", ("`fedistill bench", "leaderboard", "fd-mnist", "fd-fmnist")),
+    ("scale", "Scale", ("scale", "client state", "10,000")),
+    ("speed", "Speed", ()),  # every other section: what a round costs and why
 ]
 _DATE = re.compile(r"(20\d\d-\d\d-\d\d)")
 
