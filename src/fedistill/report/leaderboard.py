@@ -1,9 +1,10 @@
 """The figures and the self-contained HTML page of a ``fedistill bench`` leaderboard (issue 28).
 
 Per setting: the accuracy curves of every method (mean over its seeds, with a ±1 std band), and final
-accuracy against MB per round and against seconds per round (the Pareto view: up and to the left is better).
+accuracy against MB per round and against seconds per round (the Pareto view: up and to the left is better);
+the five best methods, the papers' systems and FedAvg in colour and named, the others a grey backdrop (issue 43).
 ``leaderboard.html`` holds the tables and the figures (as embedded PNG), so it opens without a network or
-the files beside it.
+the files beside it; its tables sort by a click on a column header (an inline script).
 """
 
 from __future__ import annotations
@@ -16,37 +17,156 @@ from typing import Any
 
 from .groups import format_stat, mean_curve
 
-__all__ = ["leaderboard_markdown", "plot_setting", "write_html"]
+__all__ = [
+    "PAPER_SYSTEMS", "highlighted_methods", "leaderboard_figure", "leaderboard_markdown", "plot_setting",
+    "sortable_header", "write_html",
+]  # fmt: skip
 
 
-def plot_setting(label: str, rows: list[dict[str, Any]], curves: dict[str, list[list[tuple[int, float]]]], path: Path) -> Path:
-    """One figure of three panels for one setting: curves with seed bands, accuracy vs MB, accuracy vs s."""
+PAPER_SYSTEMS = ("fedlmd", "fedftg", "fedict", "dafkd")
+"""The four papers' systems this library reproduces; a method whose name contains one of these is that system
+(``fedlmd_tf`` is FedLMD's teacher-free variant, a suite may name ``FedAvg+FedFTG``)."""
+BASELINE = "fedavg"
+"""The method every other is read against, matched by its whole name (``fedavg_kd`` and ``fedavgm`` are others)."""
+TOP_METHODS = 5
+
+
+def highlighted_methods(rows: list[dict[str, Any]], top: int = TOP_METHODS, systems: tuple[str, ...] = PAPER_SYSTEMS,
+                        baseline: str = BASELINE) -> list[str]:  # fmt: skip
+    """The methods of one setting's leaderboard rows that its figure draws in colour and names: the ``top`` best by
+    rank, the papers' ``systems`` and the ``baseline``, in rank order; the rest are drawn in grey, unnamed.
+
+    Only ranked rows count (a method without a final accuracy, n/a or unfinished, is not drawn at all). A method
+    with the same final accuracy as the last of the ``top`` is kept too: which of two equal methods is named should
+    not depend on the alphabetical order the leaderboard breaks ties with. Names are matched case-insensitively.
+    """
+    ranked = sorted(
+        (r for r in rows if r.get("final_accuracy") is not None),
+        key=lambda r: (r.get("rank") or math.inf, -r["final_accuracy"], r["method"]),
+    )
+    cut = ranked[top - 1]["final_accuracy"] if len(ranked) >= top else -math.inf
+    chosen = []
+    for place, row in enumerate(ranked):
+        name = row["method"].lower()
+        in_top = place < top or row["final_accuracy"] >= cut
+        if in_top or name == baseline.lower() or any(system in name for system in systems):
+            chosen.append(row["method"])
+    return chosen
+
+
+# Why these styles: the reader looks for the best methods, the papers' systems and FedAvg; the other methods stay
+# as a grey backdrop (thin, no seed band, no label), so 25 curves and names no longer cover each other.
+OTHER_COLOUR = "#c4c4c4"
+BASELINE_COLOUR = "black"
+# tab10 without its grey (which would read as one of the unnamed methods), and one more for a tenth named method
+NAMED_COLOURS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#bcbd22", "#17becf", "#393b79")
+LABEL_SIZE = 8  # points, beside the points of the two scatter panels
+LEGEND_ROWS = 2  # below the panels: up to a dozen entries fit the figure's width in two rows
+
+
+def _spread_labels(axis, points: list[tuple[str, float, float, Any]], dpi: float) -> None:
+    """Name each (method, x, y, colour) point beside it, moving a label down where it would overlap one already
+    placed (methods often share a traffic or a time to within a few pixels), with a thin leader line when moved."""
+    pixels_per_point = dpi / 72
+    gap = 1.25 * LABEL_SIZE * pixels_per_point  # one line of text
+    placed: list[tuple[float, float, float]] = []  # left, right, baseline of each label, in pixels
+    axis.get_xlim(), axis.get_ylim()  # settles the autoscaled limits, which transData reads
+    on_screen = [(method, *axis.transData.transform((x, y)), x, y, colour) for method, x, y, colour in points]
+    for method, px, py, x, y, colour in sorted(on_screen, key=lambda p: -p[2]):
+        left = px + 4 * pixels_per_point
+        right = left + 0.62 * LABEL_SIZE * pixels_per_point * len(method)  # a character's width, roughly
+        label_y = py + 3 * pixels_per_point
+        moved = True
+        while moved:
+            moved = False
+            for other_left, other_right, other_y in placed:
+                if left < other_right and other_left < right and abs(label_y - other_y) < gap:
+                    label_y, moved = other_y - gap, True
+        placed.append((left, right, label_y))
+        shift = (label_y - py) / pixels_per_point
+        leader = {"arrowstyle": "-", "color": colour, "linewidth": 0.5} if shift < 0 else None
+        axis.annotate(method, (x, y), xytext=(4, shift), textcoords="offset points", fontsize=LABEL_SIZE, color=colour,
+                      va="bottom" if shift >= 0 else "center", arrowprops=leader, zorder=4,
+                      bbox={"boxstyle": "square,pad=0.05", "facecolor": "white", "edgecolor": "none", "alpha": 0.7})  # fmt: skip
+
+
+def leaderboard_figure(label: str, rows: list[dict[str, Any]], curves: dict[str, list[list[tuple[int, float]]]]):
+    """The matplotlib Figure of one setting (see ``plot_setting``): the ``highlighted_methods`` in colour with
+    their seed bands, named in the legend below the panels and beside their points; every other method in thin
+    grey, unnamed (the legend counts them)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
-    fig, axes = plt.subplots(1, 3, figsize=(17, 5.2))
-    colours = plt.get_cmap("tab20")
+    fig, axes = plt.subplots(1, 3, figsize=(17, 6))
     ranked = [r for r in rows if r.get("final_accuracy") is not None]
-    for i, row in enumerate(ranked):
-        colour = colours(i % 20)
-        rounds, mean, std = mean_curve(curves.get(row["method"], []))
+    named = highlighted_methods(rows)
+    coloured = [m for m in named if m.lower() != BASELINE]
+    colours = {m: NAMED_COLOURS[i % len(NAMED_COLOURS)] for i, m in enumerate(coloured)}
+    colours.update({m: BASELINE_COLOUR for m in named if m.lower() == BASELINE})
+    top = set(highlighted_methods(rows, systems=(), baseline=""))
+    to_name: dict[Any, list[tuple[str, float, float, Any]]] = {axes[1]: [], axes[2]: []}
+    # grey first, so that the named methods are drawn over them
+    for row in sorted(ranked, key=lambda r: r["method"] in colours):
+        method = row["method"]
+        rounds, mean, std = mean_curve(curves.get(method, []))
+        if method not in colours:
+            if rounds:
+                axes[0].plot(rounds, mean, color=OTHER_COLOUR, linewidth=0.8, zorder=1)
+            for axis, key in ((axes[1], "mb_per_round"), (axes[2], "seconds_per_round")):
+                if row.get(key):
+                    axis.plot(row[key], row["final_accuracy"], "o", color=OTHER_COLOUR, markersize=4, zorder=1)
+            continue
+        colour = colours[method]
+        # the best methods solid, the papers' systems outside the best dashed, FedAvg dash-dotted in black
+        style = "-" if method in top else ("-." if method.lower() == BASELINE else "--")
+        text = f"#{row['rank']} {method}" if row.get("rank") is not None else method
         if rounds:
-            axes[0].plot(rounds, mean, color=colour, label=row["method"], linestyle="-" if i < 10 else "--", linewidth=1.3)
-            axes[0].fill_between(rounds, [m - d for m, d in zip(mean, std)], [m + d for m, d in zip(mean, std)], color=colour, alpha=0.12)
+            axes[0].plot(rounds, mean, color=colour, linestyle=style, linewidth=1.8, label=text, zorder=3)
+            axes[0].fill_between(rounds, [m - d for m, d in zip(mean, std)], [m + d for m, d in zip(mean, std)],
+                                 color=colour, alpha=0.12, linewidth=0, zorder=2)  # fmt: skip
+        else:  # no curve to draw, yet the method is named in the legend as it is beside its points
+            axes[0].plot([], [], color=colour, linestyle=style, linewidth=1.8, label=text)
         for axis, key in ((axes[1], "mb_per_round"), (axes[2], "seconds_per_round")):
             if row.get(key):
-                axis.errorbar(row[key], row["final_accuracy"], yerr=row.get("final_accuracy_std") or 0, fmt="o", color=colour, capsize=2)
-                axis.annotate(row["method"], (row[key], row["final_accuracy"]), fontsize=7, xytext=(3, 3), textcoords="offset points")
+                axis.errorbar(row[key], row["final_accuracy"], yerr=row.get("final_accuracy_std") or 0, fmt="o",
+                              color=colour, capsize=2, markersize=6, zorder=3)  # fmt: skip
+                to_name[axis].append((method, row[key], row["final_accuracy"], colour))
     axes[0].set(title=f"{label}: accuracy (mean ± std over seeds)", xlabel="round", ylabel="accuracy %")
     axes[1].set(title="final accuracy against traffic", xlabel="MB per round (down + up)", ylabel="final accuracy %", xscale="log")
     axes[2].set(title="final accuracy against time", xlabel="seconds per round", ylabel="final accuracy %", xscale="log")
-    if ranked:
-        axes[0].legend(fontsize=7, ncol=2, loc="lower right")
+    for axis in axes[1:]:
+        # ticks at 1, 2, 5 of each decade written as plain numbers: matplotlib's 2×10^1 labels collide on a short range
+        axis.xaxis.set_major_locator(LogLocator(subs=(1, 2, 5)))
+        axis.xaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
+        axis.xaxis.set_minor_formatter(NullFormatter())
+        axis.margins(x=0.15)  # room on the right for the names of the rightmost points
     for axis in axes:
         axis.grid(alpha=0.3)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.1, 1, 1))  # the legend goes below the panels, where it covers no curve
+    for axis, points in to_name.items():
+        _spread_labels(axis, points, fig.dpi)
+    if ranked:
+        handles, texts = axes[0].get_legend_handles_labels()
+        others = len(ranked) - len(named)
+        if others:
+            handles.append(Line2D([], [], color=OTHER_COLOUR, linewidth=0.8))
+            texts.append(f"{others} other method{'s' if others != 1 else ''} (grey)")
+        fig.legend(handles, texts, loc="lower center", ncol=max(1, math.ceil(len(texts) / LEGEND_ROWS)), fontsize=9,
+                   frameon=False)  # fmt: skip
+    return fig
+
+
+def plot_setting(label: str, rows: list[dict[str, Any]], curves: dict[str, list[list[tuple[int, float]]]], path: Path) -> Path:
+    """One figure of three panels for one setting, written to ``path``: the accuracy curves with seed bands, final
+    accuracy against MB per round and against seconds per round; the five best methods, the papers' systems and
+    FedAvg named and in colour, the others in grey (``highlighted_methods``)."""
+    import matplotlib.pyplot as plt
+
+    fig = leaderboard_figure(label, rows, curves)
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
@@ -56,6 +176,48 @@ def _cell(value: Any, spec: str = ".2f") -> str:
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "-"
     return format(value, spec) if isinstance(value, (int, float)) else html.escape(str(value))
+
+
+# Sorts a table of the page by a click on a column header, inline so that the page still opens without a network.
+# A numeric column sorts by the number a cell starts with ("85.04 ± 3.79" by 85.04, "12.5 (3/3)" by 12.5); cells
+# without one ("n/r (0/3)", "-", an n/a row's missing cells) go last whichever the direction. The first click sorts
+# ascending, a second click on the same header reverses; rows that compare equal keep their order.
+SORT_SCRIPT = """<script>
+function lbKey(text, numeric) {
+  var t = (text || '').trim();
+  if (numeric) {
+    var m = /^[-+]?(\\d+\\.?\\d*|\\.\\d+)(e[-+]?\\d+)?/i.exec(t);
+    return m ? parseFloat(m[0]) : null;
+  }
+  return t === '' || t === '-' ? null : t.toLowerCase();
+}
+function lbCompare(a, b, descending) {
+  if (a === null || b === null) return (a === null) - (b === null);
+  var order = typeof a === 'string' ? a.localeCompare(b) : a - b;
+  return descending ? -order : order;
+}
+function lbSort(th) {
+  var table = th.closest('table'), column = th.cellIndex, numeric = th.getAttribute('data-type') === 'num';
+  var descending = th.getAttribute('data-dir') === 'asc';
+  var headers = th.parentNode.cells;
+  for (var h = 0; h < headers.length; h++) headers[h].removeAttribute('data-dir');
+  th.setAttribute('data-dir', descending ? 'desc' : 'asc');
+  var body = table.tBodies[0], rows = Array.prototype.slice.call(body.rows);
+  var keyed = rows.map(function (row, i) {
+    var cell = row.cells[column];
+    return {row: row, key: lbKey(cell ? cell.textContent : '', numeric), i: i};
+  });
+  keyed.sort(function (x, y) { return lbCompare(x.key, y.key, descending) || x.i - y.i; });
+  keyed.forEach(function (k) { body.appendChild(k.row); });
+}
+</script>"""
+
+
+def sortable_header(text: str, numeric: bool = False, classes: str = "") -> str:
+    """A ``<th>`` that sorts its table by its column when clicked (``SORT_SCRIPT``), numerically or as text."""
+    kind = "num" if numeric else "text"
+    cls = f" class='{classes}'" if classes else ""
+    return f"<th{cls} data-type='{kind}' onclick='lbSort(this)' title='sort by this column'>{html.escape(text)}</th>"
 
 
 def write_html(title: str, description: str, notes: list[str], settings: dict[str, str], rows: list[dict[str, Any]],
@@ -68,19 +230,24 @@ def write_html(title: str, description: str, notes: list[str], settings: dict[st
         f"<title>{html.escape(title)}</title>",
         "<style>body{font-family:system-ui,sans-serif;margin:2em;max-width:1500px;color:#222}"
         "table{border-collapse:collapse;margin:1em 0}th,td{border:1px solid #ccc;padding:4px 8px;text-align:right}"
-        "th{background:#f0f0f0}td.m,th.m{text-align:left}tr.na td{color:#888}img{max-width:100%}</style></head><body>",
+        "th{background:#f0f0f0;cursor:pointer;user-select:none}th:hover{background:#e2e2e2}"
+        "th[data-dir=asc]::after{content:' \\25B2'}th[data-dir=desc]::after{content:' \\25BC'}"
+        "td.m,th.m{text-align:left}tr.na td{color:#888}img{max-width:100%}</style>",
+        SORT_SCRIPT,
+        "</head><body>",
         f"<h1>{html.escape(title)}</h1>",
     ]
     if description:
         parts.append(f"<p>{html.escape(description)}</p>")
     if notes:
         parts.append("<ul>" + "".join(f"<li>{html.escape(n)}</li>" for n in notes) + "</ul>")
+    parts.append("<p><i>Click a column header to sort its table by that column; click it again to reverse.</i></p>")
     for setting, label in settings.items():
         parts.append(f"<h2 id='{html.escape(setting)}'>{html.escape(label)}</h2>")
-        parts.append(
-            "<table><tr><th>rank</th><th class='m'>method</th><th>final acc %</th><th>best acc %</th><th>metric</th>"
-            f"<th>{html.escape(target_head)}</th><th>MB/round</th><th>s/round</th><th>GFLOP/round</th><th>% of bf16 peak</th><th>seeds</th></tr>"
-        )
+        columns = [("rank", True, ""), ("method", False, "m"), ("final acc %", True, ""), ("best acc %", True, ""),
+                   ("metric", False, ""), (target_head, True, ""), ("MB/round", True, ""), ("s/round", True, ""),
+                   ("GFLOP/round", True, ""), ("% of bf16 peak", True, ""), ("seeds", True, "")]  # fmt: skip
+        parts.append("<table><thead><tr>" + "".join(sortable_header(*c) for c in columns) + "</tr></thead><tbody>")
         for r in (r for r in rows if r["setting"] == setting):
             if r["status"] == "n/a":
                 parts.append(f"<tr class='na'><td>-</td><td class='m'>{html.escape(r['method'])}</td><td colspan='9' class='m'>n/a: {html.escape(r['why'])}</td></tr>")
@@ -94,7 +261,7 @@ def write_html(title: str, description: str, notes: list[str], settings: dict[st
                 f"<td>{_cell(r.get('seconds_per_round'))}</td><td>{_cell(r.get('gflops_per_round'))}</td>"
                 f"<td>{_cell(r.get('percent_of_bf16_peak'), '.1f')}</td><td>{seeds_text(r)}</td></tr>"
             )
-        parts.append("</table>")
+        parts.append("</tbody></table>")
         figure = figures.get(setting)
         if figure is not None and figure.is_file():
             data = base64.b64encode(figure.read_bytes()).decode("ascii")
@@ -103,10 +270,8 @@ def write_html(title: str, description: str, notes: list[str], settings: dict[st
         from .claims import METRICS, claim_cells
 
         parts.append(f"<h2 id='claims'>{CLAIMS_HEADING}</h2><p>{html.escape(CLAIMS_INTRO)}</p>")
-        parts.append(
-            "<table><tr><th class='m'>claim</th><th class='m'>setting</th><th class='m'>metric</th><th class='m'>mean ± std</th>"
-            "<th class='m'>paired difference [95 %]</th><th class='m'>seeds</th><th class='m'>verdict</th></tr>"
-        )
+        claim_columns = ("claim", "setting", "metric", "mean ± std", "paired difference [95 %]", "seeds", "verdict")
+        parts.append("<table><thead><tr>" + "".join(sortable_header(c, classes="m") for c in claim_columns) + "</tr></thead><tbody>")
         for row in claims:
             cells = claim_cells(row)
             parts.append(
@@ -114,7 +279,7 @@ def write_html(title: str, description: str, notes: list[str], settings: dict[st
                     row["claim"], row["setting"], METRICS[row["metric"]][0], cells["values"], cells["difference"], cells["seeds"]
                 )) + f"<td class='m'><b>{html.escape(cells['verdict'])}</b></td></tr>"
             )  # fmt: skip
-        parts.append("</table>")
+        parts.append("</tbody></table>")
     parts.append("</body></html>")
     path.write_text("\n".join(parts), encoding="utf-8")
     return path
