@@ -93,3 +93,59 @@ def test_cli_plugin_file_registers_a_method_for_the_run_and_its_child_processes(
     assert main(["run", "--plugin", str(tmp_path / "missing.py"), *fast, "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: plugin") and "no such file" in err and "\n" not in err.strip()
+
+
+TAKES_FEDAVG = '''
+import fedistill
+
+
+@fedistill.register_algorithm("fedavg")
+class MyFedAvg(fedistill.Algorithm):
+    """Takes a name fedistill already has; imports nothing that registers fedistill's own methods first."""
+'''
+
+
+def test_a_plugin_that_takes_a_built_in_name_stops_with_one_line_naming_the_plugin_and_the_name(tmp_path):
+    """A fresh process, as a user's: fedistill's own names are registered before the plugin's, so the plugin is
+    the one refused (not fedistill's fedavg later, with a traceback)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    path = tmp_path / "my_methods.py"
+    path.write_text(TAKES_FEDAVG)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src"), "FEDISTILL_PLUGINS": ""}
+    proc = subprocess.run(
+        [sys.executable, "-m", "fedistill.cli", "list", "--plugin", str(path)], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    (line,) = proc.stderr.splitlines()
+    assert line.startswith("error: plugin ") and "my_methods.py" in line and "'fedavg'" in line, line
+    assert "already taken (by fedistill's built-in fedavg); rename it" in line, line
+
+
+def test_the_second_of_two_plugins_that_take_one_name_is_the_one_named(tmp_path, monkeypatch, capsys):
+    from fedistill import plugins
+    from fedistill.cli import main
+
+    for attribute in ("_entries", "_help", "_owners"):
+        monkeypatch.setattr(ALGORITHMS, attribute, dict(getattr(ALGORITHMS, attribute)))
+    monkeypatch.setattr(plugins, "_loaded", set())
+    monkeypatch.setenv(plugins.PLUGIN_ENV, "")
+    first, second = tmp_path / "first_methods.py", tmp_path / "second_methods.py"
+    for path in (first, second):
+        path.write_text(PLUGIN.replace("plugin_frozen", "plugin_twin"))
+    assert main(["list", "--plugin", str(first), "--plugin", str(second)]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"error: plugin {second.resolve()} registers algorithm 'plugin_twin'"), line
+    assert line.endswith(f"already taken (by plugin {first.resolve()}); rename it"), line
+    assert "plugin_twin" in ALGORITHMS  # the first plugin's registration stands
+
+
+def test_registering_a_taken_name_from_python_says_the_name_is_taken():
+    from fedistill.algorithms.fedavg import FedAvg
+
+    with pytest.raises(ValueError, match=r"^algorithm 'fedavg' is already taken \(by fedistill's built-in fedavg\)"):
+        fedistill.register_algorithm("fedavg")(type("MyFedAvg", (fedistill.Algorithm,), {}))
+    assert ALGORITHMS.get("fedavg") is FedAvg

@@ -12,10 +12,15 @@ import pytest
 import yaml
 from rich.console import Console
 
+from conftest import small_config
 from fedistill.cli import main
 from fedistill.config import build_config
 from fedistill.errors import ConfigError
+from fedistill.report.runlog import round_line
 from fedistill.runner import print_summary, run_experiment
+from test_dafkd import QUICK as DAFKD_QUICK
+from test_fd import fd_config
+from test_fedftg import FAST as FEDFTG_FAST
 
 RUN = ["run", "--rounds", "3", "--clients", "6", "--clients-per-round", "3", "--set", "run.threads=1"]
 
@@ -30,7 +35,7 @@ def test_off_a_terminal_every_round_prints_one_line_at_once_and_run_log_has_them
     out = capsys.readouterr().out.splitlines()  # captured: not a terminal, as under nohup or SLURM
     rounds = [line for line in out if line.startswith("round ")]
     assert [line.split()[1] for line in rounds] == ["1/3", "2/3", "3/3"]
-    assert all(re.search(r"acc \d+\.\d\d%  test loss \d\.\d{4}  train loss \d\.\d{4}  down .* MB  up .* MB  \d+\.\d s$", r) for r in rounds)
+    assert all(re.search(r"acc \d+\.\d\d%  test loss \d\.\d{4}  train loss \d\.\d{4}  \d+\.\d s$", r) for r in rounds)
     assert out[0].startswith("fedavg on digits") and out.index(rounds[0]) == 2  # the header comes first,
     assert re.match(r"cores: \d+ cores? usable.*: .*1 thread", out[1])  # then how the run uses the cores
     log = (only_run_dir(tmp_path) / "run.log").read_text().splitlines()
@@ -38,6 +43,49 @@ def test_off_a_terminal_every_round_prints_one_line_at_once_and_run_log_has_them
     assert all(re.match(stamp, line) for line in log)
     assert [re.sub(stamp, "", line) for line in log[2:5]] == rounds  # the same lines, timestamped
     assert "finished: final global accuracy" in log[-1]
+
+
+# Methods whose rows carry the most fields: a personal accuracy with traffic (the distillation methods), a
+# generator (DaFKD, FedFTG), a personalised model (pFedMe). Tiny settings: a couple of seconds each.
+ROUND_LINE_METHODS = {
+    "fedavg": lambda: small_config(rounds=2),
+    "pfedme": lambda: small_config(rounds=2, **{"algorithm.name": "pfedme", "local.momentum": 0.0}),
+    "dafkd": lambda: small_config(rounds=2, **{"algorithm.name": "dafkd"}, **DAFKD_QUICK),
+    "fedftg": lambda: small_config(rounds=2, algorithm="fedftg", **FEDFTG_FAST),
+    "fedict": lambda: fd_config("fedict", rounds=2, clients=["fd_resnet2"]),
+    "fedgkt": lambda: fd_config("fedgkt", rounds=2, clients=["fd_resnet2"]),
+}
+
+
+@pytest.mark.parametrize("method", ROUND_LINE_METHODS)
+def test_off_a_terminal_a_round_line_fits_80_columns(method, tmp_path):
+    cfg = ROUND_LINE_METHODS[method]()
+    cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"out_dir": str(tmp_path), "threads": 1})})
+    out = io.StringIO()
+    run_experiment(cfg, console=Console(file=out, width=200))  # wider than the line: rich must not be what cuts it
+    rounds = [line for line in out.getvalue().splitlines() if line.startswith("round ")]
+    assert [line.split()[1] for line in rounds] == ["1/2", "2/2"]
+    assert all(len(line) <= 80 for line in rounds), rounds
+    assert all(re.search(r"acc \d+\.\d\d%  (test|train) loss \d+\.\d{4}  .*\d+\.\d s$", line) for line in rounds), rounds
+
+
+def test_a_round_line_drops_traffic_then_the_train_loss_rather_than_pass_80_columns():
+    """Long runs, big models and a diverging loss: the extras go, round/total, accuracy, loss and seconds stay."""
+    row = {"round": 7, "test_accuracy": 98.12, "test_loss": 0.0567, "train_loss": 0.0123, "seconds": 12.3,
+           "bytes_down": 460_000, "bytes_up": 460_000}  # fmt: skip
+    roomy = round_line(row, 9, "test_accuracy", width=120)
+    assert roomy == "round 7/9  acc 98.12%  test loss 0.0567  train loss 0.0123  down/up 0.46/0.46 MB  12.3 s"
+    long_run = round_line(row, 200, "test_accuracy")
+    assert long_run == "round   7/200  acc 98.12%  test loss 0.0567  train loss 0.0123  12.3 s"  # aligned under 100/200
+    assert round_line(row, 200, "test_accuracy", width=60) == "round   7/200  acc 98.12%  test loss 0.0567  12.3 s"
+    personal = {**row, "personal_accuracy": 100.0, "test_loss": None, "bytes_up": 123_456e6}  # distillation, no test loss
+    assert round_line(personal, 9, "personal_accuracy", width=60) == "round 7/9  personal acc 100.00%  train loss 0.0123  12.3 s"
+    worst = {**row, "round": 12345, "test_accuracy": 100.0, "test_loss": 1e12, "train_loss": float("nan"),
+             "bytes_down": 1e12, "bytes_up": 1e12, "seconds": 123456.7}  # fmt: skip
+    for key in ("test_accuracy", "personal_accuracy"):
+        line = round_line({**worst, "personal_accuracy": 100.0}, 99999, key)
+        assert len(line) <= 80 and "12345/99999" in line and "100.00%" in line, line
+        assert "test loss 1e+12" in line and line.endswith("123456.7 s"), line
 
 
 def test_quiet_keeps_the_rounds_out_of_the_console_but_not_out_of_run_log(tmp_path, capsys, monkeypatch):

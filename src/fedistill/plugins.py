@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 from .errors import ConfigError
+from .registry import NameTaken, registering_for
 
 PLUGIN_ENV = "FEDISTILL_PLUGINS"
 ENTRY_POINT_GROUP = "fedistill.plugins"
@@ -45,9 +46,20 @@ def load_plugins() -> None:
         _load(point.value, f"plugin {point.name} (entry point {point.value} of an installed package)")
 
 
+def _register_builtins() -> None:
+    """Register fedistill's own names first. They are otherwise registered when first needed, which can be
+    after a plugin's import: a plugin that took ``mlp`` would then succeed and fedistill's own ``mlp`` fail
+    with a traceback, instead of the plugin being refused with its name."""
+    from . import algorithms as _algorithms  # noqa: F401
+    from . import models as _models  # noqa: F401  (generators included)
+    from .data import partition as _partition  # noqa: F401
+    from .data import sources as _sources  # noqa: F401
+
+
 def _load(entry: str, what: str) -> None:
     if entry in _loaded:
         return
+    _register_builtins()
     _loaded.add(entry)  # before importing: a plugin that fails is reported once, not on every config
     try:
         if entry.endswith(".py"):
@@ -59,11 +71,17 @@ def _load(entry: str, what: str) -> None:
             assert spec is not None and spec.loader is not None
             module = importlib.util.module_from_spec(spec)
             sys.modules[name] = module  # pickling a plugin class (worker processes) finds its module
-            spec.loader.exec_module(module)
+            with registering_for(what):
+                spec.loader.exec_module(module)
         else:
-            importlib.import_module(entry.split(":")[0])
+            with registering_for(what):
+                importlib.import_module(entry.split(":")[0])
     except ConfigError:
         _loaded.discard(entry)
         raise
+    except NameTaken as exc:  # say which plugin clashes with what, not "importing it failed"
+        raise ConfigError(
+            f"{what} registers {exc.kind} {exc.name!r}, which is already taken (by {exc.owner}); rename it"
+        ) from exc
     except Exception as exc:  # the plugin's own code failed: say which plugin, in one line
         raise ConfigError(f"{what}: importing it failed: {type(exc).__name__}: {exc}") from exc

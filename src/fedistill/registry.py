@@ -7,6 +7,7 @@ is reported with the allowed choices instead of a KeyError from deep inside.
 from __future__ import annotations
 
 import re
+from contextlib import contextmanager
 from typing import Callable, Generic, Iterator, TypeVar
 
 from .errors import ConfigError
@@ -44,17 +45,53 @@ def without_card_citations(text: str) -> str:
     return re.sub(r"\.{2,}$", ".", text).strip()
 
 
+class NameTaken(ValueError):
+    """A name registered a second time. The first registration stays: a plugin cannot replace a built-in (or
+    another plugin's) entry, since configs and results that name it would silently change meaning."""
+
+    def __init__(self, kind: str, name: str, owner: str) -> None:
+        self.kind, self.name, self.owner = kind, name, owner
+        super().__init__(f"{kind} {name!r} is already taken (by {owner}); register yours under another name")
+
+
+_registering_plugin: str | None = None  # the plugin being imported (plugins.py), to say who took a name
+
+
+@contextmanager
+def registering_for(plugin: str) -> Iterator[None]:
+    """Registrations made inside are attributed to ``plugin`` (e.g. ``"plugin my_methods.py"``) when a later
+    registration of the same name is refused."""
+    global _registering_plugin
+    outer, _registering_plugin = _registering_plugin, plugin
+    try:
+        yield
+    finally:
+        _registering_plugin = outer
+
+
+def _owner(fn: Callable, name: str) -> str:
+    """Who registers ``fn`` under ``name``, in the words of the "already taken" message."""
+    if _registering_plugin is not None:
+        return _registering_plugin
+    module = getattr(fn, "__module__", "") or ""
+    if module == "fedistill" or module.startswith("fedistill."):
+        return f"fedistill's built-in {name}"
+    return f"{module}.{getattr(fn, '__qualname__', name)}"
+
+
 class Registry(Generic[T]):
     def __init__(self, kind: str) -> None:
         self.kind = kind
         self._entries: dict[str, T] = {}
         self._help: dict[str, str] = {}
+        self._owners: dict[str, str] = {}
 
     def register(self, name: str, help: str = "") -> Callable[[T], T]:
         def decorator(fn: T) -> T:
             if name in self._entries:
-                raise ValueError(f"{self.kind} {name!r} registered twice")
+                raise NameTaken(self.kind, name, self._owners.get(name, "an earlier registration"))
             self._entries[name] = fn
+            self._owners[name] = _owner(fn, name)
             doc = (fn.__doc__ or "").strip().splitlines()
             self._help[name] = help or (doc[0] if doc else "")
             return fn

@@ -17,25 +17,47 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 
+# A round's line fits a log file read in an 80-column terminal or editor: one line per round, never wrapped.
+ROUND_LINE_WIDTH = 80
+
+
 def _megabytes(n: Any) -> str:
-    return "-" if n is None else f"{n / 1e6:.2f} MB"
+    return "-" if n is None else f"{n / 1e6:.2f}"
 
 
-def round_line(row: dict[str, Any], rounds: int, accuracy_key: str) -> str:
-    """One round as one plain line: round, accuracy, loss, bytes, seconds."""
+def _loss(x: float) -> str:
+    # four decimals as long as that stays short; a diverging run's 1e12 would otherwise take 18 characters
+    return f"{x:.4f}" if abs(x) < 1e4 else f"{x:.4g}"
+
+
+def round_line(row: dict[str, Any], rounds: int, accuracy_key: str, width: int = ROUND_LINE_WIDTH) -> str:
+    """One round as one plain line of at most ``width`` characters: round, accuracy, losses, traffic, seconds.
+
+    Round/total, the accuracy, the loss and the seconds are always there. When the line would be longer than
+    ``width`` (most real runs: 200 rounds and tens of MB), the extras go, traffic first (the same each round
+    for most methods, and totalled in the summary), then the train loss. metrics.csv keeps every field.
+    The round number is padded to the total's width, so a run's lines align and keep the same fields.
+    """
     acc = row.get(accuracy_key)
-    loss = row.get("test_loss")
-    train = row.get("train_loss")
-    parts = [
-        f"round {row['round']}/{rounds}",
-        ("personal acc" if accuracy_key == "personal_accuracy" else "acc") + (f" {acc:.2f}%" if acc is not None else " -"),
-        f"test loss {loss:.4f}" if loss is not None else None,
-        f"train loss {train:.4f}" if train is not None else None,
-        f"down {_megabytes(row.get('bytes_down'))}",
-        f"up {_megabytes(row.get('bytes_up'))}",
-        f"{row['seconds']:.1f} s" if row.get("seconds") is not None else None,
+    test_loss, train_loss = row.get("test_loss"), row.get("train_loss")
+    down, up = row.get("bytes_down"), row.get("bytes_up")
+    label = "personal acc" if accuracy_key == "personal_accuracy" else "acc"
+    # (text or None where the round has no such value, the step at which a too-long line drops it; 0: never).
+    # Without a test loss (FedGKT, FedICT: only personal models are evaluated) the train loss is the loss.
+    fields: list[tuple[str | None, int]] = [
+        (f"round {row['round']:>{len(str(rounds))}}/{rounds}", 0),
+        (f"{label} {acc:.2f}%" if acc is not None else f"{label} -", 0),
+        (f"test loss {_loss(test_loss)}" if test_loss is not None else None, 0),
+        (f"train loss {_loss(train_loss)}" if train_loss is not None else None, 2 if test_loss is not None else 0),
+        (f"down/up {_megabytes(down)}/{_megabytes(up)} MB" if down is not None or up is not None else None, 1),
+        (f"{row['seconds']:.1f} s" if row.get("seconds") is not None else None, 0),
     ]
-    return "  ".join(p for p in parts if p)
+    kept = [(text, step) for text, step in fields if text is not None]
+    for step in (1, 2):
+        if len("  ".join(text for text, _ in kept)) <= width:
+            break
+        kept = [(text, s) for text, s in kept if s != step]
+    return "  ".join(text for text, _ in kept)
 
 
 class RoundLog:
