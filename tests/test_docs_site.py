@@ -106,3 +106,17 @@ def test_the_site_builds_strict_offline_with_a_page_per_method(tmp_path):
         html = page.read_text(encoding="utf-8")
         assert not re.search(r"<(script|link)[^>]+(src|href)=\"https?://", html), page
         assert "fonts.googleapis" not in html, page
+
+
+def test_the_readmes_generated_blocks_are_what_the_code_makes_now_and_it_stays_short():
+    """The README's methods table and leaderboard rows are generated (python -m fedistill.report.readme_blocks
+    README.md): the committed README must equal a fresh rewrite, name every registered method, and stay within
+    250 lines with the two setup commands."""
+    from fedistill.report.readme_blocks import rewrite
+
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert rewrite(readme, ROOT) == readme, "run: python -m fedistill.report.readme_blocks README.md"
+    methods = readme.split("<!-- generated:methods -->", 1)[1].split("<!-- /generated:methods -->", 1)[0]
+    assert {row[0].split("`")[1] for row in _table_rows(methods)} == set(ALGORITHMS.names())
+    assert len(readme.splitlines()) <= 250
+    assert "make run" in readme and "make test" in readme

@@ -1,0 +1,75 @@
+"""The README's generated blocks (issue 43): the table of methods and the leaderboards' top rows.
+
+The README holds them between ``<!-- generated:NAME -->`` and ``<!-- /generated:NAME -->`` markers, so that nothing
+the documentation site generates is copied into it by hand: ``python -m fedistill.report.readme_blocks README.md``
+rewrites them, and tests/test_docs_site.py fails when the committed README differs from what this module makes.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+from ..registry import ALGORITHMS
+from .method_pages import card_of
+
+SYSTEMS = ("fedlmd", "fedlmd_tf", "fedftg", "fedict", "dafkd")  # the four papers' systems (FedLMD-Tf: its variant)
+
+
+def methods_block(root: Path) -> str:
+    """Every registered method: its name linked to its card in spec/ (the site has a page for each), its one line."""
+    import fedistill.algorithms.build  # noqa: F401  (registers every built-in method)
+
+    lines = ["| method | kind | what it does |", "|---|---|---|"]
+    for name in ALGORITHMS.names():
+        card = card_of(name, ALGORITHMS.get(name), root / "spec")
+        link = f"[`{name}`](spec/{card.name})" if card is not None else f"`{name}`"
+        kind = "system" if name in SYSTEMS else "baseline"
+        lines.append(f"| {link} | {kind} | {ALGORITHMS.describe(name).replace('|', '/')} |")
+    return "\n".join(lines)
+
+
+def leaderboard_block(root: Path, top: int = 5) -> str:
+    """The ``top`` rows of each setting of each published leaderboard, and the first setting's figure."""
+    lines: list[str] = []
+    for path in sorted((root / "benchmarks" / "leaderboards").glob("*/leaderboard.json")):
+        suite = path.parent.name
+        rows = json.loads(path.read_text(encoding="utf-8"))
+        settings = list(dict.fromkeys(r["setting"] for r in rows))
+        lines += ["| suite, setting | rank | method | final acc % | MB/round | s/round |", "|---|---|---|---|---|---|"]
+        for setting in settings:
+            ranked = sorted((r for r in rows if r["setting"] == setting and r.get("rank") is not None), key=lambda r: r["rank"])
+            for r in ranked[:top]:
+                lines.append(
+                    f"| {suite}, {r.get('label', setting)} | {r['rank']} | {r['method']} | "
+                    f"{r['final_accuracy']:.2f} ± {r.get('final_accuracy_std') or 0:.2f} | {r['mb_per_round']:.1f} | "
+                    f"{r['seconds_per_round']:.1f} |"
+                )
+        lines += ["", f"![{suite}: {settings[-1]}](benchmarks/leaderboards/{suite}/leaderboard_{settings[-1]}.png)", ""]
+    return "\n".join(lines).rstrip()
+
+
+BLOCKS = {"methods": methods_block, "leaderboard": leaderboard_block}
+
+
+def rewrite(readme: str, root: Path) -> str:
+    """``readme`` with every generated block replaced by what its function makes now."""
+    for name, make in BLOCKS.items():
+        pattern = re.compile(rf"(<!-- generated:{name} -->\n)(?:.*?\n)?(<!-- /generated:{name} -->)", re.S)
+        if not pattern.search(readme):
+            raise ValueError(f"README has no <!-- generated:{name} --> ... <!-- /generated:{name} --> block")
+        block = make(root)
+        readme = pattern.sub(lambda m: m.group(1) + block + "\n" + m.group(2), readme)
+    return readme
+
+
+def main(argv: list[str] | None = None) -> int:
+    path = Path((argv or sys.argv[1:] or ["README.md"])[0])
+    path.write_text(rewrite(path.read_text(encoding="utf-8"), path.resolve().parent), encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
