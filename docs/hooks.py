@@ -123,3 +123,9 @@ def on_page_markdown(markdown: str, page: Any, config: Any, files: Files) -> str
         return f"{match.group(1)}({posixpath.relpath(site_path, page_dir or '.')}{anchor})"
 
     return re.sub(r"(\]\s?)\(([^)#\s]*)(#[^)\s]*)?\)", rewrite, markdown)
+
+
+def on_page_content(html: str, page: Any, config: Any, files: Files) -> str:
+    """The docstrings' Sphinx roles (``:class:`Config```), which Markdown renders as ``:class:`` before the code,
+    shown as the code alone on the API page."""
+    return re.sub(r":(?:class|func|meth|attr|mod|data|exc|obj):(<code>)", r"\1", html)
