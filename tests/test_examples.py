@@ -75,3 +75,27 @@ def test_custom_dataset_example_learns_its_four_classes(tmp_path):
     assert len(accuracies) == 3 and accuracies[-1] > 60, (accuracies, out)  # chance is 25 %
     config = fedistill.load_run(tmp_path / "bars" / "fedavg-bars").config
     assert config["dataset"]["name"] == "bars" and config["model"]["name"] == "mlp"
+
+
+def test_rank_my_method_example_ranks_a_plugin_against_published_cells(tmp_path):
+    """examples/rank_my_method.py on a tiny published suite: fedavg_cp at beta 0 is FedAvg, so it ties with it."""
+    import yaml
+
+    from fedistill.bench import bench, load_suite
+
+    suite = {
+        "name": "tiny-example", "title": "tiny", "seeds": [0, 1],
+        "protocol": {"rounds": 2, "clients_per_round": 3, "dataset": {"name": "digits"},
+                     "partition": {"num_clients": 6, "seed": 3, "scheme": "lda", "alpha": 0.3},
+                     "local": {"epochs": 1, "batch_size": 32, "lr": 0.05}},
+        "settings": {"lda": {"label": "digits LDA", "config": {}}},
+        "methods": {"FedAvg": {"config": {"algorithm": {"name": "fedavg"}}},
+                    "FedProx": {"config": {"algorithm": {"name": "fedprox", "mu": 1.0}}}},
+    }  # fmt: skip
+    path = tmp_path / "tiny-example.yaml"
+    path.write_text(yaml.safe_dump(suite))
+    bench(load_suite(str(path)), tmp_path / "published", overrides=["run.threads=1"])
+    cells = tmp_path / "published" / "tiny-example" / "cells.json"
+    out = _script("rank_my_method.py", "--suite", str(path), "--published", str(cells), "--out", str(tmp_path / "mine"),
+                  "--set", "algorithm.beta=0", "--set", "run.threads=1", cwd=tmp_path)  # fmt: skip
+    assert "lda: fedavg_cp ranks" in out and "fedavg_cp ~ FedAvg: +0.00" in out

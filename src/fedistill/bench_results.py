@@ -141,6 +141,10 @@ def write_leaderboard(
 
         (root / "claims.json").write_text(json.dumps(claims_records(claims), indent=1))
     (root / "leaderboard.json").write_text(json.dumps(rows, indent=1))
+    if cells is not None:  # every cell, for `bench --methods` to rank a new method against (bench_rank.py)
+        from .bench_rank import write_cells
+
+        write_cells(suite, cells, root)
     fields = list(dict.fromkeys(k for r in rows for k in r))
     with open(root / "leaderboard.csv", "w", newline="") as fh:
         writer = csv.DictWriter(fh, fieldnames=fields)

@@ -208,7 +208,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.cells:
         list_cells(suite, Path(args.out), overrides)
         return 0
-    bench(suite, Path(args.out), jobs=args.jobs, only=None if args.cell is None else [args.cell], overrides=overrides, ray_address=args.ray)
+    methods = None if args.methods is None else [m.strip() for m in args.methods.split(",") if m.strip()]
+    published = None if args.published is None else Path(args.published)
+    if published is not None and methods is None:
+        raise ConfigError("bench --published: only with --methods (the cells to rank against)")
+    bench(suite, Path(args.out), jobs=args.jobs, only=None if args.cell is None else [args.cell], overrides=overrides,
+          ray_address=args.ray, methods=methods, published=published)  # fmt: skip
     return 0
 
 
@@ -361,6 +366,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data-dir", help="directory of the official dataset files [dataset.data_dir]")
     p.add_argument("--download", action="store_true", help="download missing official dataset files")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="override a key in every cell")
+    p.add_argument("--methods", metavar="NAME[,NAME]", help="run only these methods' cells (a --plugin method too) and rank them against the suite's published cells")
+    p.add_argument("--published", metavar="CELLS.json", help="with --methods: the published cells (default benchmarks/leaderboards/SUITE/cells.json)")
 
     sub.add_parser("list", help="list algorithms, datasets, models, generators, partitions, shipped configs, reproduce presets and bench suites")
     return parser

@@ -1,0 +1,274 @@
+"""Published cells, and a method of your own ranked against them (issue 44).
+
+A full ``fedistill bench SUITE`` writes, beside its leaderboard, ``cells.json``: every cell (setting, method, seed)
+with its accuracy in every round, final / best / last-5 accuracy, MB and seconds a round, FLOPs a round, how it
+ended, where it ran (CPU, torch, fedistill commit), and a fingerprint of its protocol (the cell's configuration
+without the method and the seed). Committed with the leaderboard, it is what ``bench SUITE --methods NAME`` ranks
+a new method against without re-running the published methods: only the new method's cells run, on the suite's
+seeds, and each is paired by seed with every published method's (report/claims.py: mean difference, 95 %
+t-interval, seeds ahead, Wilcoxon). A cell whose protocol matches no published cell of its setting is refused:
+the comparison needs the same protocol, not the same floats (another CPU or torch makes other floats, and the
+ranking says so).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+from .errors import ConfigError
+
+__all__ = ["CELLS_FILE", "cell_records", "write_cells", "load_published", "protocol_of", "rank_against_published"]
+
+CELLS_FILE = "cells.json"
+FORMAT = 1
+
+
+def protocol_of(cfg) -> dict[str, Any]:
+    """What a cell's numbers depend on besides its method and seed: its comparable configuration (runs.py: no
+    file locations, no run settings, no rounds) without ``algorithm`` and ``seed``; rounds come back in, since
+    a ranking needs the same number."""
+    from .runs import live_comparable_config
+
+    protocol = {k: v for k, v in live_comparable_config(cfg).items() if k not in ("algorithm", "seed")}
+    return {**protocol, "rounds": cfg.rounds}
+
+
+def fingerprint(protocol: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(protocol, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _environment(path: Path) -> dict[str, Any]:
+    """Where a cell ran, from its run directory's environment.json: CPU, torch, fedistill's commit."""
+    try:
+        env = json.loads((path / "environment.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    git = env.get("git") or {}
+    commit = git.get("commit")
+    if commit and git.get("uncommitted_changes"):
+        commit += "+changes"
+    return {"cpu": env.get("cpu"), "cpu_count": env.get("cpu_count"), "torch": env.get("torch"), "fedistill": commit}
+
+
+def cell_records(cells: list[Any]) -> tuple[list[dict[str, Any]], dict[str, dict[str, Any]]]:
+    """(records, environments): one record per cell of the suite (unfinished cells too, as such), and the
+    distinct environments they ran in, referenced by id to keep the file small."""
+    from .bench_results import FLOPS_FILE
+
+    environments: dict[str, dict[str, Any]] = {}
+    records = []
+    flops_of: dict[tuple[str, str], float | None] = {}
+    for cell in cells:
+        flops_path = cell.path / FLOPS_FILE
+        if flops_path.is_file():
+            try:
+                flops_of[(cell.setting, cell.method)] = json.loads(flops_path.read_text()).get("flops_per_round")
+            except (OSError, ValueError):
+                pass
+    for cell in cells:
+        record: dict[str, Any] = {"setting": cell.setting, "method": cell.method, "seed": cell.seed}
+        state = cell.state()
+        if state == "n/a":
+            records.append({**record, "status": "n/a", "why": cell.why_not})
+            continue
+        result = cell.result()
+        if result is None:
+            records.append({**record, "status": "unfinished"})
+            continue
+        env = _environment(cell.path)
+        env_id = next((k for k, v in environments.items() if v == env), None)
+        if env_id is None:
+            env_id = f"env{len(environments)}"
+            environments[env_id] = env
+        accuracy = [a for _, a in result.accuracies]
+        flops = flops_of.get((cell.setting, cell.method))
+        records.append({
+            **record,
+            "status": "diverged" if result.diverged_after is not None else "finished",
+            "diverged_after": result.diverged_after,
+            "metric": cell.config.accuracy_metric(),
+            "accuracy": accuracy,
+            "final": result.final, "best": result.best,
+            "last5": statistics.fmean(accuracy[-5:]) if accuracy else None,
+            "mb_per_round": None if result.bytes_per_round is None else result.bytes_per_round / 1e6,
+            "seconds_per_round": result.seconds_per_round,
+            "gflops_per_round": None if flops is None else flops / 1e9,
+            "environment": env_id,
+            "protocol": fingerprint(protocol_of(cell.config)),
+        })  # fmt: skip
+    return records, environments
+
+
+def write_cells(suite: Any, cells: list[Any], root: Path) -> Path:
+    """``cells.json`` beside the leaderboard: the suite's cells and, per setting, the protocol of its first
+    finished cell written out (to say what differs when another protocol is refused)."""
+    records, environments = cell_records(cells)
+    protocols: dict[str, dict[str, Any]] = {}
+    for cell in cells:
+        if cell.setting not in protocols and cell.why_not is None and cell.config is not None:
+            protocols[cell.setting] = protocol_of(cell.config)
+    data = {"format": FORMAT, "suite": suite.name, "seeds": suite.seeds, "environments": environments,
+            "protocols": protocols, "cells": records}  # fmt: skip
+    path = root / CELLS_FILE
+    path.write_text(json.dumps(data, separators=(",", ":"), default=str))
+    return path
+
+
+def load_published(suite: Any, path: Path | None) -> dict[str, Any]:
+    """The published cells of ``suite``: ``path``, else ./benchmarks/leaderboards/SUITE/cells.json."""
+    path = Path(path) if path is not None else Path("benchmarks") / "leaderboards" / suite.name / CELLS_FILE
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"bench --methods: no published cells at {path}; give the file with --published, or run the whole suite") from None
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"bench --methods: cannot read the published cells {path} ({exc}); restore the file from the repository") from None
+    if data.get("format") != FORMAT or data.get("suite") != suite.name:
+        raise ConfigError(f"bench --methods: {path} holds the cells of {data.get('suite')!r} (format {data.get('format')}), not of suite {suite.name!r}")
+    return data
+
+
+def _differences(mine: dict[str, Any], theirs: dict[str, Any], prefix: str = "") -> list[str]:
+    out = []
+    for key in sorted(set(mine) | set(theirs)):
+        a, b = mine.get(key), theirs.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += _differences(a, b, f"{prefix}{key}.")
+        elif a != b:
+            out.append(f"{prefix}{key} {a!r} (published: {b!r})")
+    return out
+
+
+def check_protocol(cells: list[Any], published: dict[str, Any]) -> None:
+    """Refuse, in one line, cells whose protocol matches no published cell of their setting."""
+    known: dict[str, set[str]] = {}
+    for record in published["cells"]:
+        if record.get("protocol"):
+            known.setdefault(record["setting"], set()).add(record["protocol"])
+    for cell in cells:
+        if cell.why_not is not None:
+            continue
+        if cell.setting not in published["protocols"]:
+            raise ConfigError(f"bench --methods: setting {cell.setting!r} is not in the published cells; the suite changed since they were made")
+        protocol = protocol_of(cell.config)
+        if fingerprint(protocol) not in known.get(cell.setting, set()):
+            diff = _differences(protocol, published["protocols"][cell.setting])
+            what = "; ".join(diff[:3]) + (f"; and {len(diff) - 3} more" if len(diff) > 3 else "") if diff else "a method default"
+            raise ConfigError(
+                f"bench --methods: {cell.method} on {cell.setting} runs another protocol than the published cells "
+                f"({what}); rank it with the same protocol, or run the whole suite"
+            )
+
+
+def _ranks(finals: dict[str, float]) -> dict[str, int]:
+    """Competition ranks by mean final accuracy, highest first: equal means share a rank (1, 2, 2, 4)."""
+    ordered = sorted(finals.values(), reverse=True)
+    return {method: 1 + ordered.index(value) for method, value in finals.items()}
+
+
+def rank_against_published(
+    suite: Any, published: dict[str, Any], new_cells: list[Any], this_environment: dict[str, Any]
+) -> dict[str, Any]:
+    """The new methods ranked among the published ones per setting, and each new method's paired verdict against
+    every published method on the suite's seeds. Returns {"settings": {setting: [row, ...]}, "verdicts": [...],
+    "notes": [...]}; a method both published and re-run is compared with its own published cells too."""
+    from .report.claims import DOES_NOT_HOLD, HOLDS, link_verdict, paired_interval
+
+    seeds = list(published["seeds"])
+    finals: dict[tuple[str, str], dict[int, float]] = {}
+    info: dict[tuple[str, str], dict[str, list[float]]] = {}
+    for record in published["cells"]:
+        if record.get("status") == "finished":
+            finals.setdefault((record["setting"], record["method"]), {})[record["seed"]] = record["final"]
+            bucket = info.setdefault((record["setting"], record["method"]), {"mb": [], "s": []})
+            bucket["mb"].append(record.get("mb_per_round"))
+            bucket["s"].append(record.get("seconds_per_round"))
+    new_methods = list(dict.fromkeys(c.method for c in new_cells))
+    mine: dict[tuple[str, str], dict[int, float]] = {}
+    mine_info: dict[tuple[str, str], dict[str, list[float]]] = {}
+    same_bits: dict[str, list[bool]] = {}
+    published_by_key = {(r["setting"], r["method"], r["seed"]): r for r in published["cells"]}
+    for cell in new_cells:
+        result = cell.result()
+        if result is None or result.diverged_after is not None:
+            continue
+        mine.setdefault((cell.setting, cell.method), {})[cell.seed] = result.final
+        bucket = mine_info.setdefault((cell.setting, cell.method), {"mb": [], "s": []})
+        bucket["mb"].append(None if result.bytes_per_round is None else result.bytes_per_round / 1e6)
+        bucket["s"].append(result.seconds_per_round)
+        old = published_by_key.get((cell.setting, cell.method, cell.seed))
+        if old is not None and old.get("accuracy") is not None:
+            same_bits.setdefault(cell.method, []).append([a for _, a in result.accuracies] == old["accuracy"])
+    settings: dict[str, list[dict[str, Any]]] = {}
+    verdicts = []
+    for setting in suite.settings:
+        entries: dict[str, tuple[dict[int, float], dict[str, list[float]], bool]] = {}
+        for (s, method), values in finals.items():
+            if s == setting and len(values) == len(seeds) and method not in new_methods:
+                entries[method] = (values, info[(s, method)], False)
+        for (s, method), values in mine.items():
+            if s == setting:
+                entries[method] = (values, mine_info[(s, method)], True)
+        means = {m: statistics.fmean(v.values()) for m, (v, _, _) in entries.items()}
+        ranks = _ranks(means)
+        rows = []
+        for method, (values, extra, is_new) in entries.items():
+            vals = list(values.values())
+            mbs = [x for x in extra["mb"] if x is not None]
+            secs = [x for x in extra["s"] if x is not None]
+            rows.append({
+                "rank": ranks[method], "method": method, "yours": is_new, "final_accuracy": means[method],
+                "final_accuracy_std": statistics.stdev(vals) if len(vals) > 1 else 0.0, "seeds": len(vals),
+                "mb_per_round": statistics.fmean(mbs) if mbs else None,
+                "seconds_per_round": statistics.fmean(secs) if secs else None,
+            })  # fmt: skip
+        settings[setting] = sorted(rows, key=lambda r: (r["rank"], not r["yours"], r["method"]))
+        for method in new_methods:
+            if (setting, method) not in mine:
+                continue
+            ours = mine[(setting, method)]
+            for other, values in sorted(finals.items()):
+                if other[0] != setting or len(values) != len(seeds):
+                    continue
+                paired = [s for s in seeds if s in ours and s in values]
+                interval = paired_interval([ours[s] for s in paired], [values[s] for s in paired])
+                verdict = link_verdict(">", interval)
+                symbol = ">" if verdict == HOLDS else "<" if verdict == DOES_NOT_HOLD else "~"
+                against = other[1] if other[1] != method else f"{method} (published)"
+                verdicts.append({
+                    "setting": setting, "method": method, "against": against, "symbol": symbol, "verdict": verdict,
+                    "mean": interval.mean, "low": interval.low, "high": interval.high, "ahead": interval.a_wins,
+                    "n": interval.n, "text": f"{method} {symbol} {against}: {interval.fmt()}, ahead on {interval.a_wins}/{interval.n}",
+                })  # fmt: skip
+    notes = []
+    published_envs = published.get("environments", {}).values()
+    for key in ("cpu", "torch"):
+        theirs = sorted({str(e.get(key)) for e in published_envs if e.get(key)})
+        if theirs and str(this_environment.get(key)) not in theirs:
+            notes.append(
+                f"this machine's {key} ({this_environment.get(key)}) differs from the published cells' ({', '.join(theirs)}): "
+                "their floats may differ, so the comparison is statistical, not bitwise"
+            )
+    for method, equal in same_bits.items():
+        notes.append(f"{method}: {sum(equal)} of {len(equal)} re-run cells equal to the published ones to the last bit")
+    return {"settings": settings, "verdicts": verdicts, "notes": notes}
+
+
+def ranking_markdown(suite: Any, ranking: dict[str, Any]) -> str:
+    lines = [f"# {suite.title}: your methods ranked among the published cells", ""]
+    lines += [f"- {note}" for note in ranking["notes"]] + ([""] if ranking["notes"] else [])
+    for setting, rows in ranking["settings"].items():
+        lines += [f"## {suite.settings[setting].label}", "", "| rank | method | final acc % | MB/round | s/round | seeds |",
+                  "|---|---|---|---|---|---|"]  # fmt: skip
+        for r in rows:
+            name = f"**{r['method']}** (yours)" if r["yours"] else r["method"]
+            mb = "" if r["mb_per_round"] is None else f"{r['mb_per_round']:.1f}"
+            s = "" if r["seconds_per_round"] is None else f"{r['seconds_per_round']:.1f}"
+            lines.append(f"| {r['rank']} | {name} | {r['final_accuracy']:.2f} ± {r['final_accuracy_std']:.2f} | {mb} | {s} | {r['seeds']} |")
+        lines += ["", "Paired by seed (final accuracy; mean difference [95 % t-interval], seeds ahead):", ""]
+        lines += [f"- {v['text']}" for v in ranking["verdicts"] if v["setting"] == setting] + [""]
+    return "\n".join(lines)

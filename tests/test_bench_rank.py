@@ -1,0 +1,128 @@
+"""``bench SUITE --methods NAME``: a method of your own ranked against a suite's published cells (issue 44)."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from fedistill.bench import bench, load_suite
+from fedistill.bench_rank import CELLS_FILE, _ranks
+from fedistill.errors import ConfigError
+
+SUITE = {
+    "name": "tiny-rank",
+    "title": "tiny ranking suite on digits",
+    "protocol": {
+        "rounds": 2, "clients_per_round": 3, "dataset": {"name": "digits"},
+        "partition": {"num_clients": 6, "seed": 3, "scheme": "lda", "alpha": 0.3},
+        "local": {"epochs": 1, "batch_size": 32, "lr": 0.05}, "run": {"checkpoint_every": 1},
+    },
+    "settings": {"lda": {"label": "digits LDA 0.3", "config": {}}},
+    "methods": {
+        "FedAvg": {"config": {"algorithm": {"name": "fedavg"}}},
+        "FedProx": {"config": {"algorithm": {"name": "fedprox", "mu": 1.0}}},
+        "FedAvgM": {"config": {"algorithm": {"name": "fedavgm", "server_momentum": 0.9}}},
+    },
+    "seeds": [0, 1, 2],
+}  # fmt: skip
+TWIN = '''
+import fedistill
+from fedistill.algorithms.fedavg import FedAvg
+
+
+@fedistill.register_algorithm("fedavg_twin", help="FedAvg under another name")
+class FedAvgTwin(FedAvg):
+    pass
+'''
+
+
+def _write(tmp_path: Path, name: str, data: dict) -> Path:
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(data, sort_keys=False, allow_unicode=True))
+    return path
+
+
+@pytest.fixture(scope="module")
+def published(tmp_path_factory):
+    """The tiny suite run in full once: its leaderboard directory, with cells.json."""
+    tmp = tmp_path_factory.mktemp("published")
+    suite = load_suite(str(_write(tmp, "tiny-rank.yaml", SUITE)))
+    bench(suite, tmp / "out", overrides=["run.threads=1"])
+    return tmp / "out" / "tiny-rank"
+
+
+def test_published_cells_hold_every_cell_with_its_rounds_and_where_it_ran(published):
+    data = json.loads((published / CELLS_FILE).read_text())
+    assert data["suite"] == "tiny-rank" and data["seeds"] == [0, 1, 2] and len(data["cells"]) == 9
+    for record in data["cells"]:
+        rows = [json.loads(line) for line in (published / "lda" / record["method"] / f"seed{record['seed']}" / "metrics.jsonl").read_text().splitlines()]
+        assert record["accuracy"] == [r["test_accuracy"] for r in rows]  # every round, full floats
+        assert record["final"] == rows[-1]["test_accuracy"] and record["best"] == max(r["test_accuracy"] for r in rows)
+        assert record["last5"] == pytest.approx(statistics.fmean(r["test_accuracy"] for r in rows[-5:]))
+        env = data["environments"][record["environment"]]
+        assert env["torch"] and env["cpu"]
+    # FedAvg, FedProx and FedAvgM share the protocol (only the method differs): one fingerprint
+    assert len({r["protocol"] for r in data["cells"]}) == 1
+
+
+def test_a_plugin_that_is_fedavg_gets_fedavgs_rank_and_a_tie_against_it(published, tmp_path):
+    plugin = tmp_path / "twin.py"
+    plugin.write_text(TWIN)
+    suite_file = _write(tmp_path, "tiny-rank.yaml", SUITE)
+    out = tmp_path / "mine"
+    done = subprocess.run(
+        [sys.executable, "-c", "from fedistill.cli import main; raise SystemExit(main())", "bench", str(suite_file),
+         "--plugin", str(plugin), "--methods", "fedavg_twin", "--published", str(published / CELLS_FILE),
+         "--out", str(out), "--set", "run.threads=1"],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    ranking = json.loads((out / "tiny-rank" / "ranking.json").read_text())
+    rows = {r["method"]: r for r in ranking["settings"]["lda"]}
+    assert set(rows) == {"FedAvg", "FedProx", "FedAvgM", "fedavg_twin"}
+    assert rows["fedavg_twin"]["yours"] and rows["fedavg_twin"]["rank"] == rows["FedAvg"]["rank"]
+    assert rows["fedavg_twin"]["final_accuracy"] == rows["FedAvg"]["final_accuracy"]
+    verdicts = {v["against"]: v for v in ranking["verdicts"]}
+    assert set(verdicts) == {"FedAvg", "FedProx", "FedAvgM"}  # one verdict per published method
+    tie = verdicts["FedAvg"]
+    assert tie["symbol"] == "~" and tie["mean"] == 0.0 and tie["ahead"] == 0 and tie["n"] == 3
+    # against another method: the paired difference by seed, computed here from the published cells
+    data = json.loads((published / CELLS_FILE).read_text())
+    final = {(r["method"], r["seed"]): r["final"] for r in data["cells"]}
+    differences = [final[("FedAvg", s)] - final[("FedProx", s)] for s in (0, 1, 2)]
+    assert verdicts["FedProx"]["mean"] == pytest.approx(statistics.fmean(differences))
+    assert verdicts["FedProx"]["ahead"] == sum(d > 0 for d in differences)
+    assert "fedavg_twin ~ FedAvg: +0.00" in done.stdout and "ranks" in done.stdout
+
+
+def test_a_published_method_rerun_lands_on_its_published_cells(published, tmp_path):
+    suite = load_suite(str(_write(tmp_path, "tiny-rank.yaml", SUITE)))
+    rows = bench(suite, tmp_path / "again", overrides=["run.threads=1"], methods=["FedProx"], published=published / CELLS_FILE)
+    ranking = json.loads((tmp_path / "again" / "tiny-rank" / "ranking.json").read_text())
+    assert "FedProx: 3 of 3 re-run cells equal to the published ones to the last bit" in ranking["notes"]
+    again = next(r for r in rows if r["method"] == "FedProx")
+    data = json.loads((published / CELLS_FILE).read_text())
+    assert again["final_accuracy"] == statistics.fmean(r["final"] for r in data["cells"] if r["method"] == "FedProx")
+    assert not (tmp_path / "again" / "tiny-rank" / "FedAvg").exists()  # only the named method's cells ran
+
+
+def test_a_changed_protocol_or_a_missing_file_is_refused_in_one_line(published, tmp_path):
+    changed = {**SUITE, "protocol": {**SUITE["protocol"], "local": {**SUITE["protocol"]["local"], "lr": 0.01}}}
+    suite = load_suite(str(_write(tmp_path, "tiny-rank.yaml", changed)))
+    with pytest.raises(ConfigError, match=r"runs another protocol than the published cells \(local.lr 0.01 \(published: 0.05\)\)"):
+        bench(suite, tmp_path / "x", methods=["FedAvg"], published=published / CELLS_FILE)
+    assert not (tmp_path / "x" / "tiny-rank" / "lda").exists()  # refused before anything ran
+    with pytest.raises(ConfigError, match="no published cells at"):
+        bench(suite, tmp_path / "x", methods=["FedAvg"], published=tmp_path / "missing.json")
+    with pytest.raises(ConfigError, match="unknown method 'nope'"):
+        bench(suite, tmp_path / "x", methods=["nope"], published=published / CELLS_FILE)
+
+
+def test_ties_share_a_rank():
+    assert _ranks({"a": 90.0, "b": 80.0, "c": 90.0, "d": 70.0}) == {"a": 1, "c": 1, "b": 3, "d": 4}
