@@ -67,6 +67,7 @@ def on_config(config: Any) -> Any:
             {"Benchmarks, on Ray or SLURM": "bench.md"},
             {"Speed, shared cores, the GPU path": "speed.md"},
             {"Reproducing a paper table": "guides/reproduce.md"},
+            {"Rank your own method": "guides/rank.md"},
         ]},  # fmt: skip
         {"API reference": "api.md"},
     ]
