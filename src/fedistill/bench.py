@@ -363,9 +363,8 @@ def bench(
 ) -> list[dict[str, Any]]:
     """Run the suite's cells (all, or those numbered in ``only``), ``jobs`` at a time (or as Ray tasks on the
     cluster at ``ray_address``; ``local`` starts one on this machine), then write and return the leaderboard
-    of every finished cell. With ``methods``, run only those methods' cells (a method of your own included) and
-    rank them against the suite's published cells (``published``, else ./benchmarks/leaderboards/SUITE/cells.json;
-    bench_rank.py) instead of writing a leaderboard; returns the ranking's rows."""
+    of every finished cell. With ``methods``: only their cells, ranked against the published cells instead
+    (``published``, else ./benchmarks/leaderboards/SUITE/cells.json; bench_rank.py)."""
     from .runner import make_console
 
     console = console or make_console(wide=True)
@@ -380,18 +379,14 @@ def bench(
     overrides += ["run.progress=false"]
     root = Path(out_dir) / suite.name
     published_cells = None
-    if methods is not None:
-        from .bench_rank import load_published
+    if methods is not None:  # only these methods' cells, ranked against the published ones (bench_rank.py)
+        from .bench_rank import check_protocol, load_published, with_methods
 
-        suite = _with_methods(suite, methods)
+        suite = with_methods(suite, methods, BenchMethod)
         published_cells = load_published(suite, published)  # before anything runs: a missing file stops here
     cells = suite_cells(suite, root, overrides)
-    if methods is not None:
+    if published_cells is not None:
         cells = [c for c in cells if c.method in methods]
-        if only is not None:
-            raise ConfigError("bench: --cell and --methods cannot be combined; --methods runs every cell of those methods")
-        from .bench_rank import check_protocol
-
         check_protocol(cells, published_cells)
     if only is not None:
         bad = [i for i in only if not 0 <= i < len(cells)]
@@ -443,7 +438,9 @@ def bench(
                 _, seconds = future.result()
                 finished(futures[future], seconds, i)
     if published_cells is not None:
-        return _write_ranking(suite, published_cells, cells, root, console)
+        from .bench_rank import write_ranking
+
+        return write_ranking(suite, published_cells, cells, root, console)
     # Against the rate of the threads a cell has (one, unless --set run.threads=N): two cells side by side each
     # hold one core, so the all-core rate (2x on two cores) would halve every cell's share of what it could use.
     cell_threads = int(threads)
@@ -457,50 +454,6 @@ def bench(
 
         print_claims(console, claims, root, where="beside the tables in leaderboard.md and .html")
     return rows
-
-
-def _with_methods(suite: Suite, methods: list[str]) -> Suite:
-    """The suite with ``methods`` among its methods: a suite that lists its methods gets each missing one at
-    its card defaults (a method of your own); one that runs every registered method has them already."""
-    from . import algorithms as _algorithms  # noqa: F401  (registers the methods)
-    from .registry import ALGORITHMS
-
-    if not methods:
-        raise ConfigError("bench --methods: empty; name at least one method")
-    specs = suite.method_specs()
-    for name in methods:
-        if name not in specs and name not in ALGORITHMS:
-            known = ", ".join(sorted(set(specs) | set(ALGORITHMS.names())))
-            raise ConfigError(f"bench --methods: unknown method {name!r} (a plugin's method needs --plugin FILE.py); choose from: {known}")
-    if suite.methods is None:
-        return suite
-    extra = {name: BenchMethod(config={"algorithm": {"name": name}}) for name in methods if name not in specs}
-    return suite.model_copy(update={"methods": {**suite.methods, **extra}})
-
-
-def _write_ranking(suite: Suite, published: dict[str, Any], cells: list[Cell], root: Path, console) -> list[dict[str, Any]]:
-    """ranking.md and ranking.json in the suite's directory, and the ranking printed."""
-    from .bench_rank import rank_against_published, ranking_markdown
-    import torch
-
-    from .report.environment import cpu_name
-
-    ranking = rank_against_published(suite, published, cells, {"cpu": cpu_name(), "torch": torch.__version__})
-    text = ranking_markdown(suite, ranking)
-    (root / "ranking.md").write_text(text)
-    (root / "ranking.json").write_text(json.dumps(ranking, indent=1))
-    for note in ranking["notes"]:
-        console.print(f"note: {note}", highlight=False)
-    for setting, rows in ranking["settings"].items():
-        for row in (r for r in rows if r["yours"]):
-            console.print(
-                f"{suite.settings[setting].label}: {row['method']} ranks {row['rank']} of {len(rows)} "
-                f"({row['final_accuracy']:.2f} ± {row['final_accuracy_std']:.2f})", highlight=False,
-            )  # fmt: skip
-        for verdict in (v for v in ranking["verdicts"] if v["setting"] == setting):
-            console.print(f"  {verdict['text']}", highlight=False)
-    console.print(f"ranking: {root / 'ranking.md'} (and ranking.json)")
-    return [row for rows in ranking["settings"].values() for row in rows]
 
 
 def _run_on_ray(todo: list[Cell], address: str, threads: int, first_seed: int):

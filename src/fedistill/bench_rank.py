@@ -21,9 +21,10 @@ from typing import Any
 
 from .errors import ConfigError
 
-__all__ = ["CELLS_FILE", "cell_records", "write_cells", "load_published", "protocol_of", "rank_against_published"]
+__all__ = ["CELLS_FILE", "FLOPS_FILE", "cell_records", "write_cells", "load_published", "protocol_of", "rank_against_published", "with_methods", "write_ranking"]
 
 CELLS_FILE = "cells.json"
+FLOPS_FILE = "flops.json"  # in a cell's directory: the FLOPs of one round, counted once per (setting, method)
 FORMAT = 1
 
 
@@ -57,8 +58,6 @@ def _environment(path: Path) -> dict[str, Any]:
 def cell_records(cells: list[Any]) -> tuple[list[dict[str, Any]], dict[str, dict[str, Any]]]:
     """(records, environments): one record per cell of the suite (unfinished cells too, as such), and the
     distinct environments they ran in, referenced by id to keep the file small."""
-    from .bench_results import FLOPS_FILE
-
     environments: dict[str, dict[str, Any]] = {}
     records = []
     flops_of: dict[tuple[str, str], float | None] = {}
@@ -272,3 +271,47 @@ def ranking_markdown(suite: Any, ranking: dict[str, Any]) -> str:
         lines += ["", "Paired by seed (final accuracy; mean difference [95 % t-interval], seeds ahead):", ""]
         lines += [f"- {v['text']}" for v in ranking["verdicts"] if v["setting"] == setting] + [""]
     return "\n".join(lines)
+
+
+def write_ranking(suite: Any, published: dict[str, Any], cells: list[Any], root: Path, console) -> list[dict[str, Any]]:
+    """ranking.md and ranking.json in the suite's directory, and the ranking printed."""
+    import torch
+
+    from .report.environment import cpu_name
+
+    ranking = rank_against_published(suite, published, cells, {"cpu": cpu_name(), "torch": torch.__version__})
+    text = ranking_markdown(suite, ranking)
+    (root / "ranking.md").write_text(text)
+    (root / "ranking.json").write_text(json.dumps(ranking, indent=1))
+    for note in ranking["notes"]:
+        console.print(f"note: {note}", highlight=False)
+    for setting, rows in ranking["settings"].items():
+        for row in (r for r in rows if r["yours"]):
+            console.print(
+                f"{suite.settings[setting].label}: {row['method']} ranks {row['rank']} of {len(rows)} "
+                f"({row['final_accuracy']:.2f} ± {row['final_accuracy_std']:.2f})", highlight=False,
+            )  # fmt: skip
+        for verdict in (v for v in ranking["verdicts"] if v["setting"] == setting):
+            console.print(f"  {verdict['text']}", highlight=False)
+    console.print(f"ranking: {root / 'ranking.md'} (and ranking.json)")
+    return [row for rows in ranking["settings"].values() for row in rows]
+
+
+def with_methods(suite: Any, methods: list[str], spec_class: Any) -> Any:
+    """The suite with ``methods`` among its methods: a suite that lists its methods gets each missing one at
+    its card defaults (a method of your own; ``spec_class`` is bench.BenchMethod, passed in since bench imports
+    this module); one that runs every registered method has them already."""
+    from . import algorithms as _algorithms  # noqa: F401  (registers the methods)
+    from .registry import ALGORITHMS
+
+    if not methods:
+        raise ConfigError("bench --methods: empty; name at least one method")
+    specs = suite.method_specs()
+    for name in methods:
+        if name not in specs and name not in ALGORITHMS:
+            known = ", ".join(sorted(set(specs) | set(ALGORITHMS.names())))
+            raise ConfigError(f"bench --methods: unknown method {name!r} (a plugin's method needs --plugin FILE.py); choose from: {known}")
+    if suite.methods is None:
+        return suite
+    extra = {name: spec_class(config={"algorithm": {"name": name}}) for name in methods if name not in specs}
+    return suite.model_copy(update={"methods": {**suite.methods, **extra}})

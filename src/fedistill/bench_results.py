@@ -14,12 +14,12 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from .bench_rank import FLOPS_FILE, write_cells
 from .report.groups import stat
 from .reproduce import method_dir_name
 
 __all__ = ["FLOPS_FILE", "leaderboard_rows", "suite_claim_rows", "write_leaderboard"]
 
-FLOPS_FILE = "flops.json"  # in a cell's directory: the FLOPs of one round, counted once per (setting, method)
 
 
 def _flops(cells: list[Any]) -> float | None:
@@ -142,8 +142,6 @@ def write_leaderboard(
         (root / "claims.json").write_text(json.dumps(claims_records(claims), indent=1))
     (root / "leaderboard.json").write_text(json.dumps(rows, indent=1))
     if cells is not None:  # every cell, for `bench --methods` to rank a new method against (bench_rank.py)
-        from .bench_rank import write_cells
-
         write_cells(suite, cells, root)
     fields = list(dict.fromkeys(k for r in rows for k in r))
     with open(root / "leaderboard.csv", "w", newline="") as fh:

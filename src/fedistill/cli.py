@@ -212,6 +212,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     published = None if args.published is None else Path(args.published)
     if published is not None and methods is None:
         raise ConfigError("bench --published: only with --methods (the cells to rank against)")
+    if methods is not None and args.cell is not None:
+        raise ConfigError("bench: --cell and --methods cannot be combined; --methods runs every cell of those methods")
     bench(suite, Path(args.out), jobs=args.jobs, only=None if args.cell is None else [args.cell], overrides=overrides,
           ray_address=args.ray, methods=methods, published=published)  # fmt: skip
     return 0
