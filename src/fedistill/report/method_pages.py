@@ -19,7 +19,6 @@ from typing import Any, Literal, get_args, get_origin
 
 import yaml
 from pydantic.fields import FieldInfo
-from pydantic_core import PydanticUndefined
 
 from ..registry import ALGORITHMS
 
@@ -78,8 +77,10 @@ def literal_choices(annotation: Any) -> list[Any]:
 
 
 def field_default(field: FieldInfo) -> str:
-    if field.default is PydanticUndefined:
-        return "required" if field.default_factory is None else format_value(field.default_factory())
+    if field.default_factory is not None:
+        return format_value(field.default_factory())
+    if field.is_required():
+        return "required"
     return format_value(field.default)
 
 
