@@ -219,3 +219,13 @@ def test_cli_lists_presets_and_runs_one(tiny, tmp_path, capsys):
     assert code == 0
     assert (tmp_path / "o" / "tiny" / "table.md").is_file()
     assert main(["reproduce", str(path), "--rounds", "0"]) == 2
+
+
+def test_without_rounds_a_reduced_preset_runs_its_own_rounds_not_the_papers(tmp_path):
+    """A reduced preset's base rounds (dafkd_reduced: 15 of the paper's 60) are its protocol; --rounds still wins."""
+    path = tmp_path / "reduced.yaml"
+    path.write_text(yaml.safe_dump({**TINY, "name": "reduced", "base": {**TINY["base"], "rounds": 2}}, sort_keys=False))
+    rows = reproduce(load_preset(str(path)), tmp_path / "out", seeds=[0], methods=["FedAvg"], columns=["lda"])
+    run = tmp_path / "out" / "reduced" / "lda" / "FedAvg" / "seed0"
+    assert len((run / "metrics.jsonl").read_text().splitlines()) == 2 and rows
+    assert "over **2** rounds (the paper ran 50)" in (tmp_path / "out" / "reduced" / "table.md").read_text()

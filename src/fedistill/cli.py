@@ -348,7 +348,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("reproduce", help="run a paper's table (a preset) and print our numbers beside the published ones")
     p.add_argument("preset", nargs="?", help="preset name (see `fedistill list`) or path to a preset YAML file; omit to list them")
-    p.add_argument("--rounds", type=int, help="rounds per run (default: the paper's); more rounds later continue the runs")
+    p.add_argument("--rounds", type=int, help="rounds per run (default: the preset's base rounds, else the paper's); more rounds later continue the runs")
     p.add_argument("--seeds", type=int, nargs="+", default=[0], help="training seeds (default 0)")
     p.add_argument("--methods", help="comma-separated subset of the preset's methods")
     p.add_argument("--columns", help="comma-separated subset of the preset's columns (settings)")

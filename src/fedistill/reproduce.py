@@ -268,7 +268,9 @@ def reproduce(
     if jobs > 1:
         overrides.append("run.progress=false")  # one line per finished run instead of interleaved bars
 
-    rounds = rounds or preset.paper_rounds
+    # A reduced preset states its own rounds in base (dafkd_reduced: 15 of the paper's 60); a paper preset's base
+    # rounds are the paper's. Without --rounds a run has the preset's protocol, not the paper's length.
+    rounds = rounds or preset.base.get("rounds") or preset.paper_rounds
     seeds = check_seeds(seeds) if seeds is not None else [0]
     # The seed and the rounds of every run come from --seeds and --rounds; a --set of either would make every
     # "seed" the same run, or the table claim rounds that did not run.
