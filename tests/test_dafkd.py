@@ -433,6 +433,27 @@ def test_code_penalty_on_the_sigmoid_runs_away_on_one_class_clients_under_sgd_an
     assert max(largest["logit"]) < 10, largest  # bounded: the initial weights are below 1
 
 
+def test_default_penalty_is_on_the_logit_written_out():
+    """Issue 42: with ℓ(x) = Σ W·x + c the logit's input gradient is W, so the default penalty is λ·(‖W‖_F − 1)²
+    for every sample (the code's sigmoid form would scale the norm by f(1 − f) ≤ 1/4)."""
+    from fedistill.algorithms.dafkd import penalty_score
+
+    gen = torch.Generator().manual_seed(5)
+    weight = torch.randn(1, 4, 4, generator=gen)
+
+    class Linear:
+        def logits(self, model, v):
+            return (v * weight).sum(dim=(1, 2, 3)) + 0.2
+
+    real, fake = torch.randn(3, 1, 4, 4, generator=gen), torch.randn(3, 1, 4, 4, generator=gen)
+    mix = torch.tensor([0.1, 0.5, 0.9])
+    gp = float(interpolation_gradient_penalty(penalty_score(Linear(), None, "logit"), real, fake, mix, 0.3).detach())
+    assert math.isclose(gp, 0.3 * (math.sqrt(float((weight**2).sum())) - 1) ** 2, rel_tol=1e-5)
+    sigmoid = float(interpolation_gradient_penalty(penalty_score(Linear(), None, "sigmoid"), real, fake, mix, 0.3).detach())
+    assert not math.isclose(sigmoid, gp, rel_tol=1e-3)
+    assert DaFKDParams().gradient_penalty_on == "logit"
+
+
 def test_generator_output_is_read_as_pixels_and_normalised_like_the_data(digits):
     """Code profile point 1: tanh's −1, 0, 1 are the authors' pixels 0, ½, 1, normalised with the run's
     mean/std ((p − 0.3)/0.4 for digits); ``generator_output: tanh`` feeds the raw output."""

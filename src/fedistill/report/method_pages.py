@@ -93,16 +93,16 @@ def parameter_rows(params_cls: Any) -> list[ParameterRow]:
     ]
 
 
-def _cell(text: str) -> str:
+def markdown_cell(text: Any) -> str:
     """Text safe inside a Markdown table cell."""
-    return text.replace("|", "\\|").replace("\n", " ")
+    return str(text).replace("|", "\\|").replace("\n", " ")
 
 
 def parameter_table(rows: list[ParameterRow]) -> str:
     if not rows:
         return "This method has no parameters of its own.\n"
     lines = ["| parameter | default | description | constraints |", "|---|---|---|---|"]
-    lines += [f"| `{r.name}` | `{_cell(r.default)}` | {_cell(r.description)} | {_cell(r.constraints)} |" for r in rows]
+    lines += [f"| `{r.name}` | `{markdown_cell(r.default)}` | {markdown_cell(r.description)} | {markdown_cell(r.constraints)} |" for r in rows]
     return "\n".join(lines) + "\n"
 
 
@@ -185,7 +185,7 @@ def method_page(name: str, root: Path) -> str:
     lines += ["## Presets that run it", ""]
     if presets:
         lines += ["| preset | title | as |", "|---|---|---|"]
-        lines += [f"| `{p}` | {_cell(t)} | {', '.join(_cell(label) for label in ls)} |" for p, t, ls in presets]
+        lines += [f"| `{p}` | {markdown_cell(t)} | {', '.join(markdown_cell(label) for label in ls)} |" for p, t, ls in presets]
         lines += ["", "Run one with `fedistill reproduce PRESET` (a file under benchmarks/presets/ by its path)."]
     else:
         lines += ["No preset runs it."]
@@ -197,7 +197,7 @@ def method_page(name: str, root: Path) -> str:
             accuracy = "n/a" if r.get("final_accuracy") is None else f"{r['final_accuracy']:.2f} ± {r.get('final_accuracy_std') or 0:.2f}"
             seconds = "" if r.get("seconds_per_round") is None else f"{r['seconds_per_round']:.1f}"
             mb = "" if r.get("mb_per_round") is None else f"{r['mb_per_round']:.1f}"
-            lines.append(f"| {suite} | {_cell(r.get('label', r['setting']))} | {r.get('rank', '')} | {accuracy} | {mb} | {seconds} | {r.get('finished', '')}/{r.get('seeds', '')} |")
+            lines.append(f"| {suite} | {markdown_cell(r.get('label', r['setting']))} | {r.get('rank', '')} | {accuracy} | {mb} | {seconds} | {r.get('finished', '')}/{r.get('seeds', '')} |")
     else:
         lines += ["Not in a published leaderboard yet."]
     lines += ["", "## Claims", ""]
@@ -205,7 +205,7 @@ def method_page(name: str, root: Path) -> str:
     if claims:
         lines += ["| source | claim | setting | metric | verdict |", "|---|---|---|---|---|"]
         lines += [
-            f"| {src} | {_cell(c['claim'])} | {_cell(c.get('setting', ''))} | {c.get('metric', '')} | {c.get('verdict', '')} |"
+            f"| {src} | {markdown_cell(c['claim'])} | {markdown_cell(c.get('setting', ''))} | {c.get('metric', '')} | {c.get('verdict', '')} |"
             for src, c in claims
         ]
     else:
@@ -217,5 +217,5 @@ def methods_index(root: Path) -> str:
     """The Methods section's landing page: every registered method with its one-line help."""
     lines = ["# Methods", "", "Every method registered in fedistill, one generated page each.", ""]
     lines += ["| method | what it does |", "|---|---|"]
-    lines += [f"| [`{name}`]({name}.md) | {_cell(ALGORITHMS.describe(name))} |" for name in ALGORITHMS.names()]
+    lines += [f"| [`{name}`]({name}.md) | {markdown_cell(ALGORITHMS.describe(name))} |" for name in ALGORITHMS.names()]
     return "\n".join(lines) + "\n"

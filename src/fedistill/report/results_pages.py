@@ -14,6 +14,8 @@ import re
 from pathlib import Path
 from typing import Any
 
+from .method_pages import markdown_cell
+
 # Topic of a RESULTS.md section, by the first keyword its heading contains (checked in this order).
 TOPICS: list[tuple[str, str, tuple[str, ...]]] = [
     ("gpu", "The GPU path", ("gpu", "cuda", "h100", "h200")),
@@ -26,10 +28,6 @@ TOPICS: list[tuple[str, str, tuple[str, ...]]] = [
     ("speed", "Speed", ()),  # every other section: what a round costs and why
 ]
 _DATE = re.compile(r"(20\d\d-\d\d-\d\d)")
-
-
-def _cell(text: Any) -> str:
-    return str(text).replace("|", "\\|").replace("\n", " ")
 
 
 def _number(value: float | None, digits: int = 2, signed: bool = False) -> str:
@@ -55,9 +53,9 @@ def claims_table(claims_files: list[tuple[str, Path]]) -> str:
                 ahead = f"{link.get('a_wins', '')}/{link.get('n', '')}" if link.get("n") else ""
                 p = _number(link.get("wilcoxon_p"), 3) if link.get("wilcoxon_p") is not None else ""
                 lines.append(
-                    f"| {_cell(source)} | {_cell(claim['claim'])} | {_cell(claim.get('setting', ''))} | "
-                    f"{_cell(claim.get('metric', ''))} | {_cell(link['a'])} {link.get('relation', '')} {_cell(link['b'])} | "
-                    f"{interval} | {ahead} | {p} | {_cell(link.get('verdict', claim.get('verdict', '')))} |"
+                    f"| {markdown_cell(source)} | {markdown_cell(claim['claim'])} | {markdown_cell(claim.get('setting', ''))} | "
+                    f"{markdown_cell(claim.get('metric', ''))} | {markdown_cell(link['a'])} {link.get('relation', '')} {markdown_cell(link['b'])} | "
+                    f"{interval} | {ahead} | {p} | {markdown_cell(link.get('verdict', claim.get('verdict', '')))} |"
                 )
     return "\n".join(lines) + "\n"
 
