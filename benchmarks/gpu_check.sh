@@ -10,6 +10,10 @@
 #   4. the test suite with CUDA visible (tests/test_cuda.py runs only here);
 #   graphs (not in the default stages): run.cuda_graphs against the eager step, speed (FedAvg on the MNIST protocol
 #   in fp32 and bf16, ResNet-18 in fp32) and the profile's GPU busy share, eager and with graphs.
+#   loss-term graphs (issue 41, not in the default stages): "termprofile" profiles one round of FedAvg with graphs
+#   (partial batches captured and not) and of FedProx and FedNTD with graphs (their steps captured since issue 41);
+#   "methods" runs benchmarks/bench_gpu_methods.py (every method's round on the MNIST protocol, eager and graphs)
+#   within METHODS_BUDGET seconds.
 # RUN_SET adds settings to the kill-and-resume runs, e.g. RUN_SET="--set run.cuda_graphs=true".
 set -u
 DATA=${DATA:-../shared/data}
@@ -46,6 +50,16 @@ echo "exit $?"; grep -E "^\| (mnist|resnet18)|Error|error" "$OUT/graphs_speed.tx
 stage "graphs: profile"
 { for flag in "" --cuda-graphs; do echo "### profile fp32 $flag"; timeout 60 $PY benchmarks/profile_gpu_round.py --data-dir "$DATA" --precision fp32 $flag; done; } > "$OUT/graphs_profile.txt" 2>&1
 grep -E "^###|round_wall_s|gpu_busy|kernel_launches|sync_total|Error" "$OUT/graphs_profile.txt"; }
+
+want termprofile && { stage "loss-term graphs: profile"
+{ for args in "--algorithm fedavg" "--algorithm fedavg --no-partial-graphs" "--algorithm fedprox" "--algorithm fedntd"; do
+    echo "### profile fp32 --cuda-graphs $args"; timeout 40 $PY benchmarks/profile_gpu_round.py --data-dir "$DATA" --precision fp32 --cuda-graphs $args
+  done; } > "$OUT/term_profile.txt" 2>&1
+grep -E "^###|round_wall_s|gpu_busy_share|kernel_launches|Error" "$OUT/term_profile.txt"; }
+
+want methods && { stage "every method on the MNIST protocol"
+timeout $(( ${METHODS_BUDGET:-200} + 90 )) $PY benchmarks/bench_gpu_methods.py --data-dir "$DATA" --budget-s "${METHODS_BUDGET:-200}" --json "$OUT/methods.json" > "$OUT/methods.txt" 2>&1
+echo "exit $?"; cat "$OUT/methods.txt" | grep -v Warning | tail -n 32; }
 
 want resume && { stage "kill and resume"
 RUNS=$(mktemp -d)

@@ -44,13 +44,19 @@ def main() -> None:
     ap.add_argument("--data-dir", default="../shared/data")
     ap.add_argument("--precision", default="bf16", choices=["fp32", "bf16"])
     ap.add_argument("--cuda-graphs", action="store_true", help="run.cuda_graphs: the clients' step replayed from a graph")
+    ap.add_argument("--algorithm", default="fedavg", help="a method whose client step goes through local_sgd (fedprox, fedntd, ...)")
+    ap.add_argument("--no-partial-graphs", action="store_true", help="the partial batches eagerly, as before issue 41")
     ap.add_argument("--json")
     ap.add_argument("--trace", help="also write the round's Chrome trace here")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("profile_gpu_round.py needs a CUDA device")
 
-    cfg = build_config(PROTOCOL, {"rounds": 5, "run.device": "cuda", "run.precision": args.precision, "run.cuda_graphs": args.cuda_graphs})
+    if args.no_partial_graphs:
+        from fedistill.engine import cuda_graphs
+
+        cuda_graphs.CAPTURE_PARTIAL_BATCHES = False
+    cfg = build_config(PROTOCOL, {"rounds": 5, "run.device": "cuda", "run.precision": args.precision, "run.cuda_graphs": args.cuda_graphs, "algorithm.name": args.algorithm})
     dataset = load_dataset("mnist", args.data_dir)
     federation = build_federation(cfg, dataset)
     sim = Simulation(cfg, dataset, federation=federation)
@@ -74,6 +80,8 @@ def main() -> None:
         "torch": torch.__version__,
         "precision": args.precision,
         "cuda_graphs": args.cuda_graphs,
+        "algorithm": args.algorithm,
+        "partial_graphs": not args.no_partial_graphs,
         "round_wall_s": wall,
         "round_seconds_row": row["seconds"],
         "eval_seconds_row": row["eval_seconds"],
@@ -87,6 +95,9 @@ def main() -> None:
     }
     top = sorted((e for e in averages if device_time_us(e) > 0), key=device_time_us, reverse=True)[:15]
     report["top_device_ops"] = [{"name": e.key, "count": e.count, "device_ms": device_time_us(e) / 1e3} for e in top]
+    # Where the host's time goes (what keeps the GPU idle): the CPU-side ops and runtime calls by their own time.
+    host = sorted((e for e in averages if e.self_cpu_time_total > 0), key=lambda e: e.self_cpu_time_total, reverse=True)[:20]
+    report["top_host_ops"] = [{"name": e.key, "count": e.count, "self_cpu_ms": e.self_cpu_time_total / 1e3} for e in host]
     if args.trace:
         prof.export_chrome_trace(args.trace)
 
@@ -118,11 +129,14 @@ def main() -> None:
     report["sync_total_round4"] = sum(sites.values())
 
     for key, value in report.items():
-        if key not in ("top_device_ops", "sync_sites_round4"):
+        if key not in ("top_device_ops", "sync_sites_round4", "top_host_ops"):
             print(f"{key}: {value}")
     print("\ntop device ops (one round):")
     for op in report["top_device_ops"]:
         print(f"  {op['device_ms']:9.2f} ms  x{op['count']:<6} {op['name'][:90]}")
+    print("\ntop host ops by own CPU time (one round):")
+    for op in report["top_host_ops"]:
+        print(f"  {op['self_cpu_ms']:9.2f} ms  x{op['count']:<6} {op['name'][:90]}")
     print(f"\nsynchronising operations in round 4 ({report['sync_total_round4']} in all, {steps} optimiser steps a round):")
     for site in report["sync_sites_round4"]:
         print(f"  x{site['count']:<6} {site['where'][:140]}")

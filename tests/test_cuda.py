@@ -15,6 +15,7 @@ import warnings
 import pytest
 import torch
 from conftest import assert_resume_is_exact, small_config
+from test_cuda_graphs import GRAPHABLE
 from test_dafkd import QUICK as DAFKD_QUICK
 from test_fd import fd_config
 from test_fedftg import FAST as FEDFTG_FAST
@@ -158,8 +159,9 @@ GRAPH_RUN = {"local.epochs": 2, "local.momentum": 0.9, "local.weight_decay": 1e-
 
 
 def _graphs_against_eager(digits, rounds=3, **overrides):
-    eager = Simulation(small_config(rounds=rounds, **GRAPH_RUN, **overrides, **ON_GPU), digits)
-    graphed = Simulation(small_config(rounds=rounds, **GRAPH_RUN, **overrides, **ON_GPU, **GRAPHS), digits)
+    settings = {**GRAPH_RUN, **overrides, **ON_GPU}
+    eager = Simulation(small_config(rounds=rounds, **settings), digits)
+    graphed = Simulation(small_config(rounds=rounds, **settings, **GRAPHS), digits)
     gaps = []
     for rnd in range(1, rounds + 1):
         eager.run_round(rnd)
@@ -194,6 +196,26 @@ def test_cuda_graphs_resume_bitwise(digits, tmp_path):
 
 
 def test_cuda_graphs_leave_the_other_methods_eager_and_correct(digits):
-    """FedProx's proximal term reads the round's broadcast weights: its step stays eager, so graphs change nothing."""
-    _, _, gaps = _graphs_against_eager(digits, rounds=2, **{"algorithm.name": "fedprox", "algorithm.mu": 0.1})
+    """DemLearn's loss term declares no graph_key: its steps stay eager, so graphs change nothing."""
+    _, _, gaps = _graphs_against_eager(digits, rounds=2, **{"algorithm.name": "demlearn"})
     assert max(gaps) == 0.0, gaps
+
+
+@pytest.mark.parametrize("case", sorted(GRAPHABLE))
+def test_cuda_graphs_capture_loss_terms_and_corrections_with_the_eager_bits(digits, case):
+    """Issue 41 item 3: the steps with a loss term, a logit transform or a gradient correction captured, their
+    per-client tensors in fixed buffers (client.fixed). No lr decay, so one capture serves all three rounds and
+    every later client: a tensor read from anywhere but the fixed buffers would be stale and the bits would differ."""
+    _, _, gaps = _graphs_against_eager(digits, **{"algorithm.name": case, **GRAPHABLE[case], "local.lr_decay": 1.0})
+    assert max(gaps) == 0.0, gaps
+
+
+def test_cuda_graphs_without_partial_batch_graphs_give_the_same_bits(digits, monkeypatch):
+    """The partial batches' graphs (captured without warm-up into the full step's pool) against running them
+    eagerly: the same global model bit for bit."""
+    from fedistill.engine import cuda_graphs
+
+    _, with_partial, _ = _graphs_against_eager(digits, rounds=2, **{"algorithm.name": "fedntd"})
+    monkeypatch.setattr(cuda_graphs, "CAPTURE_PARTIAL_BATCHES", False)
+    _, without, _ = _graphs_against_eager(digits, rounds=2, **{"algorithm.name": "fedntd"})
+    assert torch.equal(get_flat(with_partial.server.model), get_flat(without.server.model))

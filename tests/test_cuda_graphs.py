@@ -85,18 +85,40 @@ def test_index_columns_make_the_batches_of_the_epoch_bit_for_bit(digits):
 
 class _StepWithoutCapture:
     """What GraphedSGDStep does, minus the capture (no CUDA here): the kept optimizer reset per client, the batch
-    made from its columns, the graph's eager step."""
+    made from its columns, and a full batch's step run by the closure *of the client it was "captured" with*, as
+    a replayed graph runs that client's kernels on the addresses they read. A later client's loss term that reads
+    a tensor of its own, not through ``client.fixed``, is then not seen, as a real replay would not see it."""
 
     made = 0
+    keys: list = []
 
-    def __init__(self, model, key, optimizer_for, make_batch, cols):
-        from fedistill.engine.cuda_graphs import eager_sgd_step
+    def __init__(self, model, key, optimizer_for, make_batch, cols, train_step=None):
+        from fedistill.engine.cuda_graphs import plain_train_step
 
-        self.key, self.optimizer, self.make_batch, self.eager = key, optimizer_for(model), make_batch, eager_sgd_step
+        self.key, self.optimizer, self.make_batch = key, optimizer_for(model), make_batch
+        self.train_step = train_step or plain_train_step(key.precision, key.grad_clip)
         type(self).made += 1
+        type(self).keys.append(key)
 
-    def step(self, model, cols):
-        return self.eager(model, self.optimizer, *self.make_batch(cols), self.key.precision, self.key.grad_clip)
+    def step(self, model, cols, train_step=None):
+        run = self.train_step if tuple(cols.shape) == self.key.columns_shape else (train_step or self.train_step)
+        return run(model, self.optimizer, *self.make_batch(cols), True)
+
+
+def _fake_graphs(monkeypatch):
+    """local_sgd's graph branch with :class:`_StepWithoutCapture` for the capture (one kept step per worker model)."""
+    from fedistill.algorithms import local
+    from fedistill.engine import cuda_graphs
+
+    steps: dict = {}
+
+    def fake_graphed(model, key, optimizer_for, make_batch, cols, train_step=None):
+        if model not in steps or steps[model].key != key:
+            steps[model] = _StepWithoutCapture(model, key, optimizer_for, make_batch, cols, train_step)
+        cuda_graphs.reset_momentum(steps[model].optimizer)
+        return steps[model]
+
+    monkeypatch.setattr(local, "graphed_sgd_step", fake_graphed)
 
 
 def test_the_graph_path_of_local_sgd_trains_like_the_plain_path(digits, monkeypatch):
@@ -105,18 +127,10 @@ def test_the_graph_path_of_local_sgd_trains_like_the_plain_path(digits, monkeypa
     and mean losses bit for bit. A stale momentum between clients or a missed partial batch would differ."""
     from fedistill.algorithms import local
     from fedistill.data.pipeline import TensorPipeline
-    from fedistill.engine import cuda_graphs
     from fedistill.models.registry import build_model
     from fedistill.protocol import ClientContext
 
-    steps: dict = {}
-
-    def fake_graphed(model, key, optimizer_for, make_batch, cols):
-        if model not in steps or steps[model].key != key:
-            steps[model] = _StepWithoutCapture(model, key, optimizer_for, make_batch, cols)
-        cuda_graphs.reset_momentum(steps[model].optimizer)
-        return steps[model]
-
+    _StepWithoutCapture.made = 0
     pipeline = TensorPipeline(digits)
     torch.manual_seed(0)
     start = build_model("mlp", (1, 8, 8), digits.num_classes, hidden=(16,))
@@ -124,7 +138,7 @@ def test_the_graph_path_of_local_sgd_trains_like_the_plain_path(digits, monkeypa
     results = {}
     for graphs in (False, True):
         if graphs:
-            monkeypatch.setattr(local, "graphed_sgd_step", fake_graphed)
+            _fake_graphs(monkeypatch)
         model = build_model("mlp", (1, 8, 8), digits.num_classes, hidden=(16,))
         model.load_state_dict(start.state_dict())
         losses = []
@@ -147,3 +161,91 @@ def test_a_model_with_dropout_is_refused_before_any_capture():
     key = StepKey((1, 4), 0.1, 0.0, 0.0, None, "fp32")
     with pytest.raises(ConfigError, match=r"dropout \(1\); drop run.cuda_graphs"):
         GraphedSGDStep(model, key, torch.optim.SGD(model.parameters(), lr=0.1), lambda cols: None, torch.zeros(1, 4))
+
+
+# -- loss terms and gradient corrections under run.cuda_graphs (issue 41, item 3) ---------------------------------------
+# Per-client tensors (anchors, control variates, class masks, teachers) must be where the captured kernels read them:
+# client.fixed's buffers, or modules loaded in place. Checked here without CUDA: the fake capture replays the closure
+# of the client it was made with (see _StepWithoutCapture), so a term that read a tensor of its own would be stale.
+GRAPHABLE = {
+    "fedprox": {"algorithm.mu": 0.1},
+    "fedprox_grad_hook": {"algorithm.name": "fedprox", "algorithm.mu": 0.1, "algorithm.implementation": "grad_hook"},
+    "fedntd": {},
+    "fedlmd": {},
+    "fedlmd_tf": {},
+    "fedavg_kd": {},
+    "fedavg_ls": {},
+    "moon": {},
+    "scaffold": {},
+    "feddyn": {},
+    "feddyn_adaptive": {"algorithm.name": "feddyn", "algorithm.adaptive_alpha": True},
+    "fedrs": {},
+    "fedcurv": {},
+    "fednova": {"algorithm.ccvr": "fedntd_quirk"},
+    "fedntd+fedprox": {"algorithm.name": "fedntd", "algorithm.plus": {"fedprox": {"mu": 0.1}}},
+}
+
+
+def _graphs_against_eager_on_cpu(digits, monkeypatch, rounds=3, **overrides):
+    """The global model after each round, eager and through local_sgd's graph branch (fake capture), and the number
+    of fake captures made."""
+    import dataclasses
+
+    from fedistill.engine import cuda_graphs
+    from fedistill.engine.client import ClientRuntime
+    from fedistill.models.flat import get_flat
+    from fedistill.simulation import Simulation
+
+    # Momentum and weight decay; no lr decay, so one capture serves every round (a decayed lr captures anew each
+    # round, and a stale round-level tensor would go unseen); 4 clients of 6 a round, so one worker trains clients
+    # one after another; B = 16 on the digits clients leaves partial batches.
+    settings = {"local.momentum": 0.9, "local.weight_decay": 1e-3, "local.lr_decay": 1.0, "local.batch_size": 16,
+                "clients_per_round": 4, "run.workers": 1, "run.checkpoint_every": 0, **overrides}
+    eager = Simulation(small_config(rounds=rounds, **settings), digits)
+    models = [get_flat(eager.run_round(r) and eager.server.model) for r in range(1, rounds + 1)]
+
+    _StepWithoutCapture.made, _StepWithoutCapture.keys = 0, []
+    _fake_graphs(monkeypatch)
+    original = ClientRuntime.context
+
+    def graphed_context(self, cid, rnd, state):
+        return dataclasses.replace(original(self, cid, rnd, state), cuda_graphs=True, graph_inputs=cuda_graphs.fixed_input)
+
+    monkeypatch.setattr(ClientRuntime, "context", graphed_context)
+    graphed = Simulation(small_config(rounds=rounds, **settings), digits)
+    graphed_models = [get_flat(graphed.run_round(r) and graphed.server.model) for r in range(1, rounds + 1)]
+    return models, graphed_models, _StepWithoutCapture.made
+
+
+@pytest.mark.parametrize("case", sorted(GRAPHABLE))
+def test_methods_with_loss_terms_train_through_the_graph_branch_bit_for_bit(digits, monkeypatch, case):
+    overrides = {"algorithm.name": case, **GRAPHABLE[case]}
+    eager, graphed, captures = _graphs_against_eager_on_cpu(digits, monkeypatch, **overrides)
+    assert captures >= 1  # the graph branch was taken (a method left eager would make none)
+    for rnd, (a, b) in enumerate(zip(eager, graphed, strict=True), start=1):
+        assert torch.equal(a, b), f"{case}: round {rnd} differs by {float((a - b).abs().max())}"
+
+
+def test_a_loss_term_reading_its_own_tensor_is_caught_by_the_fake_replay(digits, monkeypatch):
+    """The check above can fail: FedProx with its anchors as plain clones (not through client.fixed) replays the
+    first round's anchors in every later round, and the global model differs from the eager run's."""
+    from fedistill.algorithms.fedprox import FedProx
+
+    def stale_anchors(client):
+        params = [p for p in client.model.parameters() if p.requires_grad]
+        return params, [p.detach().clone() for p in params]
+
+    monkeypatch.setattr(FedProx, "_anchored", staticmethod(stale_anchors))
+    eager, graphed, captures = _graphs_against_eager_on_cpu(digits, monkeypatch, rounds=2, **{"algorithm.name": "fedprox", "algorithm.mu": 1.0})
+    assert captures >= 1
+    assert not torch.equal(eager[-1], graphed[-1])
+
+
+def test_a_method_that_declares_no_graph_key_keeps_the_eager_step(digits, monkeypatch):
+    """DemLearn's loss term does not say what it bakes in (no graph_key): the steps that carry it stay eager; only
+    the plain step (a client without the term) is captured."""
+    eager, graphed, _ = _graphs_against_eager_on_cpu(digits, monkeypatch, rounds=3, **{"algorithm.name": "demlearn"})
+    assert all(key.terms == () for key in _StepWithoutCapture.keys)
+    assert torch.equal(eager[-1], graphed[-1])
+    eager, graphed, _ = _graphs_against_eager_on_cpu(digits, monkeypatch, rounds=2, **{"algorithm.name": "fedprox", "algorithm.mu": 0.1})
+    assert _StepWithoutCapture.keys and all(key.terms != () for key in _StepWithoutCapture.keys)  # the check can fail

@@ -57,15 +57,17 @@ def not_true_distillation(
     """
     s = student_logits.float()
     b, c = s.shape
-    keep = torch.ones_like(s, dtype=torch.bool)
-    keep[torch.arange(b, device=s.device), labels] = False
-    s_nt = s[keep].view(b, c - 1)
+    # Row i's not-true classes in order: j for j < y_i, j + 1 from y_i on. A gather, not a boolean-mask index,
+    # so the shape is known without reading the mask back (no host wait; a CUDA graph can capture it).
+    not_true = torch.arange(c - 1, device=s.device).expand(b, c - 1)
+    not_true = not_true + (not_true >= labels[:, None]).long()
+    s_nt = s.gather(1, not_true)
     log_q_s = torch.log_softmax(s_nt / tau, dim=1)
     if teacher_logits is None:
         q_t = torch.full_like(log_q_s, 1.0 / (c - 1))
         log_q_t = q_t.log()
     else:
-        t_nt = teacher_logits.float()[keep].view(b, c - 1)
+        t_nt = teacher_logits.float().gather(1, not_true)
         log_q_t = torch.log_softmax(t_nt / tau, dim=1)
         q_t = log_q_t.exp()
     kl = (q_t * (log_q_t - log_q_s)).sum(dim=1)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, Callable, ClassVar
 
 import torch
 from pydantic import BaseModel, ConfigDict
@@ -113,12 +113,34 @@ class ClientContext:
     # How ``state`` is kept between rounds (run.client_state_dtype): "bf16" rounds its float32 tensors when
     # saved. A client uploading the change of a state entry computes it from engine.state_store.as_stored.
     state_dtype: str = "fp32"
-    # run.cuda_graphs: local_sgd replays its plain step from a captured CUDA graph (engine/cuda_graphs.py)
+    # run.cuda_graphs: local_sgd replays its step from a captured CUDA graph (engine/cuda_graphs.py)
     cuda_graphs: bool = False
+    # With cuda_graphs, the engine's fixed_input(model, name, value) (engine/cuda_graphs.py), behind ``fixed``
+    graph_inputs: Callable[[torch.nn.Module, str, torch.Tensor], torch.Tensor] | None = None
 
     @property
     def num_samples(self) -> int:
         return int(self.train_indices.numel())
+
+    def fixed(self, name: str, value: torch.Tensor) -> torch.Tensor:
+        """``value`` where a captured client step can read it (``run.cuda_graphs``), else ``value`` itself.
+
+        A loss term or gradient correction that reads a per-client tensor (an anchor, a control variate, a class
+        mask) takes it through here: under CUDA graphs it is copied into a buffer of the worker model that keeps
+        its address from client to client (engine/cuda_graphs.py, ``fixed_input``); the values are the same.
+        The buffer is overwritten by the next client: keep nothing from it beyond the local update.
+        """
+        if not self.cuda_graphs:
+            return value
+        if self.graph_inputs is None:
+            raise RuntimeError("ClientContext.cuda_graphs is on but the engine gave no graph_inputs (engine/cuda_graphs.fixed_input)")
+        return self.graph_inputs(self.model, name, value.to(self.device))
+
+    def fixed_list(self, name: str, values: list[torch.Tensor]) -> list[torch.Tensor]:
+        """:meth:`fixed` of each tensor of ``values`` (an anchor per parameter tensor)."""
+        if not self.cuda_graphs:
+            return values
+        return [self.fixed(f"{name}.{i}", v) for i, v in enumerate(values)]
 
 
 @dataclass

@@ -37,7 +37,7 @@ refused next to a part that ``adds_proximal_term``.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Hashable
 
 import torch
 
@@ -225,6 +225,11 @@ class Composite(FedAvg):
 
     def reply_extras(self, client: ClientContext, info: RoundInfo, msg: Message, result: LocalResult) -> dict[str, Any]:
         return self._merge("reply", [p.reply_extras(client, info, msg, result) for p in self.parts])
+
+    def graph_key(self, client: ClientContext, msg: Message) -> Hashable | None:
+        # Capturable when every part is; the parts' keys together describe the chained closures.
+        keys = [p.graph_key(client, msg) for p in self.parts]
+        return None if any(k is None for k in keys) else tuple(keys)
 
     def _merge(self, what: str, dicts: list[dict[str, Any]]) -> dict[str, Any]:
         merged: dict[str, Any] = {}

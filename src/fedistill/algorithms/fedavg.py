@@ -15,7 +15,7 @@ parameter-averaging method and every combination goes through.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Literal, Mapping
+from typing import Any, Callable, Hashable, Literal, Mapping
 
 import torch
 from pydantic import Field
@@ -191,6 +191,7 @@ class FedAvg(Algorithm):
             with_features=self.needs_features,
             before_step=self.grad_correction(client, msg),
             grad_clip=self.params.grad_clip,
+            graph_key=self.graph_key(client, msg),  # after the hooks: it describes the closures they built
         )
         return Message(
             weights=self.upload_weights(client),
@@ -210,6 +211,19 @@ class FedAvg(Algorithm):
     def reply_extras(self, client: ClientContext, info: RoundInfo, msg: Message, result: LocalResult) -> dict[str, Any]:
         """Extra fields of the client's reply (FedNova: its local steps; SCAFFOLD: its control-variate change)."""
         return {}
+
+    def graph_key(self, client: ClientContext, msg: Message) -> Hashable | None:
+        """What this method's loss term, logit transform and gradient correction bake into a captured client
+        step as Python values, or None when they cannot be captured (``run.cuda_graphs``, engine/cuda_graphs.py).
+
+        A method may return a key only if its closures read every per-client tensor through ``client.fixed``
+        (or from persistent modules loaded in place, as the teachers are) and make no host round-trip; the key
+        holds the Python values that shape the closure (a structure flag, a per-client scalar): a client with
+        another key captures anew. Here: ``()`` when the method adds none of the three (the plain step), None
+        when it does and does not say more, so its step stays eager.
+        """
+        adds = [hook for hook in ("extra_loss", "logit_transform", "grad_correction") if getattr(type(self), hook) is not getattr(FedAvg, hook)]
+        return None if adds else ()
 
 
 class FedAvgMParams(FedAvgParams):

@@ -187,9 +187,13 @@ class FedCurv(FedAvg):
     def extra_loss(self, client: ClientContext, msg: Message) -> ExtraLoss:
         params = trainable_parameters(client.model)
         others_u, others_v = self._others(client, msg)
-        p_sum, q_sum = split_like(others_u, params), split_like(others_v, params)
+        p_sum = split_like(client.fixed("fedcurv.p", others_u), params)
+        q_sum = split_like(client.fixed("fedcurv.q", others_v), params)
         lam = self.params.lam
         return lambda model, x, y, logits, features: curvature_penalty(params, p_sum, q_sum, lam)
+
+    def graph_key(self, client: ClientContext, msg: Message) -> tuple:
+        return ()  # P_k and Q_k through client.fixed
 
     def reply_extras(self, client: ClientContext, info: RoundInfo, msg: Message, result: LocalResult) -> dict[str, Any]:
         # After training, so the Fisher pass cannot change the training batches (card §7).

@@ -65,12 +65,15 @@ class FedDyn(FedAvg):
 
     def extra_loss(self, client: ClientContext, msg: Message) -> ExtraLoss:
         params = trainable_parameters(client.model)
-        anchors = [p.detach().clone() for p in params]
+        anchors = client.fixed_list("feddyn.anchor", [p.detach().clone() for p in params])
         g = client.state.setdefault("feddyn_g", torch.zeros(sum(p.numel() for p in params)))
-        g_pieces = split_like(g, params)
+        g_pieces = split_like(client.fixed("feddyn.g", g), params)
         alpha = self._alpha(msg)
 
         return lambda model, x, y, logits, features: dynamic_regulariser(params, anchors, g_pieces, alpha)
+
+    def graph_key(self, client: ClientContext, msg: Message) -> tuple:
+        return (self._alpha(msg),)  # anchors and g_k through client.fixed; α_k is a Python number (per client when adaptive)
 
     def reply_extras(self, client: ClientContext, info: RoundInfo, msg: Message, result: LocalResult) -> dict[str, Any]:
         anchor = msg["weights"][trainable_mask(client.model)]  # the broadcast trainable weights

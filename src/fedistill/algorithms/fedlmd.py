@@ -63,7 +63,7 @@ class FedLMD(FedAvg):
 
     def extra_loss(self, client: ClientContext, msg: Message) -> ExtraLoss:
         beta, tau = self.params.beta, self.params.tau
-        majority = self.majority(client)
+        majority = client.fixed("fedlmd.majority", self.majority(client))
         # Tf for rounds t ≤ R, FedLMD after (card §3, "Tf→LMD switch").
         teacher = None if self.teacher_free(client.round) else self._teacher.load(client, msg["weights"])
 
@@ -72,6 +72,10 @@ class FedLMD(FedAvg):
             return beta * label_masking_distillation(logits, teacher_logits, y, majority, tau)
 
         return lmd
+
+    def graph_key(self, client: ClientContext, msg: Message) -> tuple:
+        # M_k through client.fixed, the teacher loaded in place; with or without a teacher is a closure's shape.
+        return (self.teacher_free(client.round),)
 
 
 
@@ -115,6 +119,9 @@ class FedAvgKD(FedAvg):
             logits, GlobalTeacher.logits(teacher, x), tau
         )
 
+    def graph_key(self, client: ClientContext, msg: Message) -> tuple:
+        return ()  # the teacher is one module loaded in place
+
 
 class LSParams(FedAvgParams):
     epsilon: float = Field(0.1, ge=0.0, lt=1.0, description="label smoothing ε (FedLMD Table 2: 0.1)")
@@ -130,3 +137,6 @@ class FedAvgLS(FedAvg):
     def extra_loss(self, client: ClientContext, msg: Message) -> ExtraLoss:
         eps = self.params.epsilon
         return lambda model, x, y, logits, features: label_smoothing_term(logits, y, eps)
+
+    def graph_key(self, client: ClientContext, msg: Message) -> tuple:
+        return ()  # reads the batch only

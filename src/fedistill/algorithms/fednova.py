@@ -53,7 +53,10 @@ class FedNova(FedAvg):
         if d_prev is None:  # ccvr off, or the client's first participation: the shift is zero (card ambiguity 1)
             return None
         # g ← g + (d̄ − d_k^prev) with d̄ ≡ 0 in the reference code; weight decay and momentum follow.
-        return add_to_gradients(trainable_parameters(client.model), d_prev, sign=-1.0)
+        return add_to_gradients(trainable_parameters(client.model), client.fixed("fednova.d_prev", d_prev), sign=-1.0)
+
+    def graph_key(self, client: ClientContext, msg: Message) -> tuple:
+        return ()  # d_k^prev through client.fixed (a client without one has the plain step)
 
     def reply_extras(self, client: ClientContext, info: RoundInfo, msg: Message, result: LocalResult) -> dict[str, Any]:
         if self.params.ccvr == "fedntd_quirk" and result.steps > 0 and info.lr > 0:

@@ -34,6 +34,9 @@ class FedNTD(FedAvg):
         super().__init__(params, local)
         self._teacher = GlobalTeacher()
 
+    def graph_key(self, client: ClientContext, msg: Message) -> tuple:
+        return ()  # the teacher is one module loaded in place; β, τ and teacher_free are fixed for the run
+
     def extra_loss(self, client: ClientContext, msg: Message) -> ExtraLoss:
         beta, tau = self.params.beta, self.params.tau
         teacher = None if self.params.teacher_free else self._teacher.load(client, msg["weights"])

@@ -45,7 +45,7 @@ class FedProx(FedAvg):
         params = [p for p in client.model.parameters() if p.requires_grad]
         # Detached copies of the received weights: the anchor never changes during the round (card §3;
         # ambiguity 1: trainable parameters only, not BatchNorm buffers).
-        return params, [p.detach().clone() for p in params]
+        return params, client.fixed_list("fedprox.anchor", [p.detach().clone() for p in params])
 
     def extra_loss(self, client: ClientContext, msg: Message) -> ExtraLoss | None:
         if self.params.implementation != "loss":
@@ -53,6 +53,9 @@ class FedProx(FedAvg):
         params, anchors = self._anchored(client)
         mu = self.params.mu
         return lambda model, x, y, logits, features: proximal_term(params, anchors, mu)
+
+    def graph_key(self, client: ClientContext, msg: Message) -> tuple:
+        return ()  # anchors through client.fixed; μ and the implementation are the same for every client
 
     def grad_correction(self, client: ClientContext, msg: Message) -> Callable[[torch.nn.Module], None] | None:
         if self.params.implementation != "grad_hook":

@@ -33,5 +33,8 @@ class FedRS(FedAvg):
     def logit_transform(self, client: ClientContext) -> Callable[[torch.Tensor], torch.Tensor]:
         labels = client.data.dataset.train_y[client.train_indices]  # the client's full local split (card §4)
         counts = torch.bincount(labels, minlength=client.data.num_classes)
-        scale = restricted_softmax_scaling(counts, self.params.alpha, self.params.mode).to(client.device)
+        scale = client.fixed("fedrs.scale", restricted_softmax_scaling(counts, self.params.alpha, self.params.mode).to(client.device))
         return lambda logits: logits * scale[None, :]
+
+    def graph_key(self, client: ClientContext, msg: Message) -> tuple:
+        return ()  # s_k through client.fixed

@@ -9,13 +9,13 @@ loss term such as FedProx's proximal term) and/or ``logit_transform``; the loop 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Hashable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..engine.cuda_graphs import GraphedSGDStep, StepKey, eager_sgd_step, graphed_sgd_step
+from ..engine.cuda_graphs import GraphedSGDStep, StepKey, fixed_generation, graphed_sgd_step, plain_train_step
 from ..engine.evaluation import Evaluation, autocast_context, evaluate  # noqa: F401  (the methods import them from here)
 from .base import ClientContext
 
@@ -70,8 +70,14 @@ def local_sgd(
     with_features: bool = False,
     before_step: Callable[[nn.Module], None] | None = None,
     grad_clip: float | None = None,
+    graph_key: Hashable | None = None,
 ) -> LocalResult:
-    """Train ``client.model`` in place for ``epochs`` passes over the client's data."""
+    """Train ``client.model`` in place for ``epochs`` passes over the client's data.
+
+    ``graph_key``: under ``run.cuda_graphs``, what the loss terms and corrections bake into a captured step as
+    Python values (engine/cuda_graphs.py); None means they cannot be captured and the step runs eagerly. The
+    plain step (no terms) is always captured.
+    """
     model = client.model
     model.train()
 
@@ -84,23 +90,29 @@ def local_sgd(
     # On the client's device: a CPU accumulator would copy (and so synchronise) an accelerator's loss every step.
     loss_sum = torch.zeros((), dtype=torch.float64, device=client.device)
     steps = seen = 0
-    # run.cuda_graphs: the plain step (no loss term, logit transform or gradient correction, which read tensors
-    # that change between clients) is replayed from one CUDA graph that also makes the batch from its index
-    # columns (engine/cuda_graphs.py); partial batches run the same step eagerly.
-    if client.cuda_graphs and extra_loss is None and logit_transform is None and before_step is None and not with_features:
+    # run.cuda_graphs: the step is replayed from one CUDA graph that also makes the batch from its index columns
+    # (engine/cuda_graphs.py); partial batches run the same step eagerly. Loss terms and corrections are captured
+    # when the method says what they bake in (graph_key) and reads its per-client tensors through client.fixed.
+    plain = extra_loss is None and logit_transform is None and before_step is None and not with_features
+    if client.cuda_graphs and (plain or graph_key is not None):
+        terms = () if plain else (graph_key, fixed_generation(model))
+        train_step = plain_train_step(
+            client.precision, grad_clip, extra_loss=extra_loss, logit_transform=logit_transform,
+            with_features=with_features, before_step=before_step,
+        )
         graphed: GraphedSGDStep | None = None
         eager_optimizer: torch.optim.Optimizer | None = None
         for _ in range(epochs):
             for cols in client.data.epoch_columns(client.train_indices, batch_size, client.generator):
                 m = int(cols.shape[1])
                 if graphed is None and eager_optimizer is None and m == batch_size:
-                    key = StepKey(tuple(cols.shape), lr, momentum, weight_decay, grad_clip, client.precision)
-                    graphed = graphed_sgd_step(model, key, new_optimizer, client.data.batch_from_columns, cols)
+                    key = StepKey(tuple(cols.shape), lr, momentum, weight_decay, grad_clip, client.precision, terms)
+                    graphed = graphed_sgd_step(model, key, new_optimizer, client.data.batch_from_columns, cols, train_step)
                 if graphed is not None:
-                    loss = graphed.step(model, cols)
+                    loss = graphed.step(model, cols, train_step)
                 else:  # a client smaller than one batch: never a full batch to capture
                     eager_optimizer = eager_optimizer or new_optimizer(model)
-                    loss = eager_sgd_step(model, eager_optimizer, *client.data.batch_from_columns(cols), client.precision, grad_clip)
+                    loss = train_step(model, eager_optimizer, *client.data.batch_from_columns(cols), True)
                 loss_sum += loss.detach().double() * m
                 steps += 1
                 seen += m

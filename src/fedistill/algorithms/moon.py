@@ -94,6 +94,9 @@ class Moon(FedAvg):
 
         return contrastive
 
+    def graph_key(self, client: ClientContext, msg: Message) -> tuple:
+        return ()  # the global and previous models are two modules loaded in place
+
     def reply_extras(self, client: ClientContext, info: RoundInfo, msg: Message, result: LocalResult) -> dict[str, Any]:
         client.state["moon_prev"] = get_flat(client.model)  # prev[k] <- the weights this client uploads
         return {}

@@ -53,9 +53,12 @@ class Scaffold(FedAvg):
         return client.state["scaffold_c"].cpu()
 
     def grad_correction(self, client: ClientContext, msg: Message) -> Callable[[torch.nn.Module], None]:
-        correction = msg["control"] - self._client_control(client, int(msg["control"].numel()))
+        correction = client.fixed("scaffold.correction", msg["control"] - self._client_control(client, int(msg["control"].numel())))
         # ĝ = g − c_k + c, then the optimizer adds weight decay and momentum as usual (card §3).
         return add_to_gradients(trainable_parameters(client.model), correction)
+
+    def graph_key(self, client: ClientContext, msg: Message) -> tuple:
+        return ()  # c − c_k through client.fixed
 
     def reply_extras(self, client: ClientContext, info: RoundInfo, msg: Message, result: LocalResult) -> dict[str, Any]:
         c = msg["control"]

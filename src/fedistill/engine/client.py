@@ -14,6 +14,7 @@ from ..data.pipeline import AugmentSpec, TensorPipeline
 from ..models.flat import get_flat
 from ..protocol import EVAL_PREFIX, Algorithm, ClientContext, Message, RoundInfo
 from .architectures import client_architectures
+from .cuda_graphs import fixed_input
 from .evaluation import evaluate
 from .perf import deterministic_kernels
 from .run_setup import build_model_for
@@ -93,6 +94,7 @@ class ClientRuntime:
             round=rnd,
             state_dtype=self.cfg.run.client_state_dtype,
             cuda_graphs=self.cfg.run.cuda_graphs,
+            graph_inputs=fixed_input if self.cfg.run.cuda_graphs else None,
         )
 
     def update(self, cid: int, info: RoundInfo, msg: Message, state: dict[str, Any]) -> Message:

@@ -13,8 +13,8 @@ What a capture needs, and how this module meets it:
   is a batch's *columns* (the sample indices and their augmentation draws, ``TensorPipeline.epoch_columns``),
   copied into a static tensor: the gather, the augmentation and the normalisation are captured with the step
   (on the MNIST protocol they were about 30 of the launches a step left outside a graph of the step alone).
-  Only full batches of the captured size replay; a client's last partial batch runs the same step eagerly on
-  the same optimizer.
+  Full batches replay the captured step; a client's last partial batch replays a graph of its size, captured
+  on first use into the same memory pool (``GraphedSGDStep._capture_partial``; eagerly if that capture fails).
 - **A persistent optimizer.** ``local_sgd`` makes a new SGD (empty momentum) for every client and round; here
   one optimizer lives with the graph and its momentum buffers are zeroed at each client's start. With dampening
   0, PyTorch's first step sets ``buf = g``; from a zero buffer the update computes ``ρ·0 + g = g``, the same
@@ -25,13 +25,23 @@ What a capture needs, and how this module meets it:
   capture or not changes nothing in the run, so a resumed run equals an uninterrupted one.
 - **Constants.** The learning rate, momentum, weight decay, clip and precision are baked into the captured
   kernels: they are part of the key, and a change (a decayed learning rate in the next round) captures anew.
+- **Loss terms and gradient corrections** (issue 41: FedProx, FedNTD, FedLMD, MOON, SCAFFOLD, FedDyn, FedRS,
+  FedCurv, ...). Their closures read tensors that change from client to client: the round's broadcast weights
+  as an anchor, a control variate, a class mask, a frozen teacher. A graph captured with the first client's
+  closure replays the kernels on the *addresses* that closure read, so every such tensor goes through
+  :func:`fixed_input` (``ClientContext.fixed``): one buffer per name and worker model, overwritten in place for
+  each client, so the next client's values sit where the captured kernels look. Teachers are persistent modules
+  loaded in place already (``GlobalTeacher``). What a closure bakes in as a Python value (its structure: teacher
+  or teacher-free; a per-client scalar) is the method's ``graph_key``, part of the key. A method that does not
+  declare one keeps the eager step.
 """
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Hashable
 
 import torch
 import torch.nn.functional as F
@@ -41,8 +51,12 @@ from ..errors import ConfigError
 
 Optimizers = Callable[[nn.Module], torch.optim.Optimizer]
 BatchMaker = Callable[[torch.Tensor], "tuple[torch.Tensor, torch.Tensor]"]  # columns -> (x, y), on the device
+# train_step(model, optimizer, x, y, zero_grad) -> loss: one client step, loss terms and corrections included
+TrainStep = Callable[[nn.Module, torch.optim.Optimizer, torch.Tensor, torch.Tensor, bool], torch.Tensor]
 
 WARMUP_STEPS = 3  # eager iterations on a side stream before the capture (PyTorch's CUDA graphs notes use 3)
+# A client's partial last batch replayed from a graph of its size (GraphedSGDStep._capture_partial); False: eager.
+CAPTURE_PARTIAL_BATCHES = True
 
 
 @dataclass(frozen=True)
@@ -55,12 +69,23 @@ class StepKey:
     weight_decay: float
     grad_clip: float | None
     precision: str
+    # The method's graph_key (what its loss terms bake in as Python values) and the fixed inputs' generation
+    # (a buffer reallocated at another shape or device has another address): () for the plain step.
+    terms: Hashable = ()
 
 
 class GraphedSGDStep:
     """One captured training step of ``model`` (batch making included) on batches of one size, with its own SGD."""
 
-    def __init__(self, model: nn.Module, key: StepKey, optimizer: torch.optim.Optimizer, make_batch: BatchMaker, cols: torch.Tensor):
+    def __init__(
+        self,
+        model: nn.Module,
+        key: StepKey,
+        optimizer: torch.optim.Optimizer,
+        make_batch: BatchMaker,
+        cols: torch.Tensor,
+        train_step: TrainStep | None = None,
+    ):
         dropout = [name for name, m in model.named_modules() if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0]
         if dropout:
             # Its masks would come from CUDA's generator inside the graph and in the warm-up, which this module
@@ -71,6 +96,7 @@ class GraphedSGDStep:
         self.key = key
         self.optimizer = optimizer
         self.make_batch = make_batch
+        self.train_step = train_step or plain_train_step(key.precision, key.grad_clip)
         self.static_cols = cols.clone()
         saved = [t.detach().clone() for t in _state_tensors(model)]
         side = torch.cuda.Stream()
@@ -91,20 +117,56 @@ class GraphedSGDStep:
             for t, s in zip(_state_tensors(model), saved):
                 t.copy_(s)
 
+        # Graphs of the partial batches, by size (None: that size's capture failed and it runs eagerly).
+        self.partial: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor] | None] = {}
+
     def _step(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, zero_grad: bool = True) -> torch.Tensor:
-        key = self.key
-        return eager_sgd_step(model, self.optimizer, x, y, key.precision, key.grad_clip, zero_grad=zero_grad)
+        return self.train_step(model, self.optimizer, x, y, zero_grad)
 
     def start_client(self) -> None:
         reset_momentum(self.optimizer)
 
-    def step(self, model: nn.Module, cols: torch.Tensor) -> torch.Tensor:
-        """One training step on the batch ``cols``: the graph when it has the captured size, else eagerly."""
+    def step(self, model: nn.Module, cols: torch.Tensor, train_step: TrainStep | None = None) -> torch.Tensor:
+        """One training step on the batch ``cols``: the graph when it has the captured size, a partial batch's
+        graph (captured on first use) else, or eagerly with ``train_step`` (the current client's closures)."""
         if tuple(cols.shape) == self.key.columns_shape:
             self.static_cols.copy_(cols)
             self.graph.replay()
             return self.static_loss
-        return self._step(model, *self.make_batch(cols))
+        size = int(cols.shape[1])
+        if CAPTURE_PARTIAL_BATCHES and cols.shape[0] == self.key.columns_shape[0]:
+            if size not in self.partial:
+                self.partial[size] = self._capture_partial(model, cols, train_step or self.train_step)
+            entry = self.partial[size]
+            if entry is not None:
+                graph, static_cols, static_loss = entry
+                static_cols.copy_(cols)
+                graph.replay()
+                return static_loss
+        return (train_step or self.train_step)(model, self.optimizer, *self.make_batch(cols), True)
+
+    def _capture_partial(self, model: nn.Module, cols: torch.Tensor, train_step: TrainStep):
+        """The step on a partial batch of ``cols``'s size as a graph sharing the full step's memory pool.
+
+        On the MNIST protocol a client's last batch of each epoch is partial: 50 of a round's 600 steps, and as
+        eager steps about a third of the round's time on an H100 (issue 41). No warm-up: the full step's capture
+        made the lazy state (cuBLAS handles, the optimizer's buffers), and a capture only records, so the weights
+        are not touched. The pool is shared (one step's memory, not one per size): the replays run one after
+        another on one stream, each graph writes its intermediates before reading them, and what one graph
+        leaves for later (its loss) is read before the next replay.
+        """
+        static_cols = cols.clone()
+        # This graph's backward must create its own gradients (AccumulateGrad steals them), not add to the last one's.
+        self.optimizer.zero_grad(set_to_none=True)
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph, pool=self.graph.pool(), capture_error_mode="thread_local"):
+                static_loss = train_step(model, self.optimizer, *self.make_batch(static_cols), False).detach()
+        except RuntimeError as exc:  # the step on this size runs eagerly instead: same numbers, slower
+            warnings.warn(f"run.cuda_graphs: the partial batch of {int(cols.shape[1])} could not be captured ({exc}); it runs eagerly")
+            self.optimizer.zero_grad(set_to_none=True)
+            return None
+        return graph, static_cols, static_loss
 
 
 def eager_sgd_step(
@@ -115,18 +177,44 @@ def eager_sgd_step(
     precision: str,
     grad_clip: float | None,
     zero_grad: bool = True,
+    *,
+    extra_loss: Callable | None = None,
+    logit_transform: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    with_features: bool = False,
+    before_step: Callable[[nn.Module], None] | None = None,
 ) -> torch.Tensor:
-    """The plain step ``local_sgd`` takes (fedavg.md §3): mean CE on the batch, backward, optional clip, SGD step."""
+    """The step ``local_sgd`` takes (fedavg.md §3): mean CE on the batch (its logits through ``logit_transform``)
+    plus ``extra_loss``, backward, ``before_step`` (a gradient correction), optional clip, SGD step; the same
+    operations in the same order as local_sgd's eager loop."""
     if zero_grad:
         optimizer.zero_grad(set_to_none=True)
     # No autocast weight cache: a cached cast would be captured once and not refreshed as the weights move.
     with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=precision == "bf16", cache_enabled=False):
-        loss = F.cross_entropy(model(x).float(), y)
+        if with_features:
+            features = model.extract(x)
+            logits = model.classify(features)
+        else:
+            features, logits = None, model(x)
+        ce_logits = logits.float() if logit_transform is None else logit_transform(logits.float())
+        loss = F.cross_entropy(ce_logits, y)
+        if extra_loss is not None:
+            loss = loss + extra_loss(model, x, y, logits, features)
     loss.backward()
+    if before_step is not None:
+        before_step(model)
     if grad_clip is not None:
         nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
     optimizer.step()
     return loss
+
+
+def plain_train_step(precision: str, grad_clip: float | None, **terms) -> TrainStep:
+    """:func:`eager_sgd_step` with its settings and ``terms`` bound: a :data:`TrainStep`."""
+
+    def train_step(model, optimizer, x, y, zero_grad=True):
+        return eager_sgd_step(model, optimizer, x, y, precision, grad_clip, zero_grad, **terms)
+
+    return train_step
 
 
 def reset_momentum(optimizer: torch.optim.Optimizer) -> None:
@@ -150,12 +238,59 @@ def _state_tensors(model: nn.Module) -> list[torch.Tensor]:
 _STEPS: "weakref.WeakKeyDictionary[nn.Module, GraphedSGDStep]" = weakref.WeakKeyDictionary()
 
 
-def graphed_sgd_step(model: nn.Module, key: StepKey, optimizer_for: Optimizers, make_batch: BatchMaker, cols: torch.Tensor) -> GraphedSGDStep:
+def graphed_sgd_step(
+    model: nn.Module,
+    key: StepKey,
+    optimizer_for: Optimizers,
+    make_batch: BatchMaker,
+    cols: torch.Tensor,
+    train_step: TrainStep | None = None,
+) -> GraphedSGDStep:
     """The captured step of ``model`` for ``key``, capturing it (and its optimizer) when there is none yet."""
     step = _STEPS.get(model)
     if step is None or step.key != key or step.make_batch != make_batch:
         step = None
         _STEPS.pop(model, None)  # release the old graph's memory before capturing the new one
-        step = _STEPS[model] = GraphedSGDStep(model, key, optimizer_for(model), make_batch, cols)
+        step = _STEPS[model] = GraphedSGDStep(model, key, optimizer_for(model), make_batch, cols, train_step)
     step.start_client()
     return step
+
+
+class FixedInputs:
+    """The fixed buffers of one worker model's captured step: one per name, overwritten in place per client."""
+
+    def __init__(self) -> None:
+        self.buffers: dict[str, torch.Tensor] = {}
+        self.generation = 0  # bumped when a buffer is (re)allocated: a graph captured before reads stale addresses
+
+    def put(self, name: str, value: torch.Tensor) -> torch.Tensor:
+        value = value.detach()
+        buffer = self.buffers.get(name)
+        if buffer is None or buffer.shape != value.shape or buffer.dtype != value.dtype or buffer.device != value.device:
+            self.buffers[name] = buffer = value.clone()
+            self.generation += 1
+        else:
+            buffer.copy_(value)
+        return buffer
+
+
+_FIXED: "weakref.WeakKeyDictionary[nn.Module, FixedInputs]" = weakref.WeakKeyDictionary()
+
+
+def fixed_input(model: nn.Module, name: str, value: torch.Tensor) -> torch.Tensor:
+    """``value`` copied into the fixed buffer ``name`` of ``model``'s captured step (module docstring: loss terms).
+
+    The buffer has ``value``'s shape, dtype and device and keeps its address from client to client, so a graph
+    captured with one client's loss term reads the next client's values. Not a copy to keep: the next client's
+    call overwrites it.
+    """
+    inputs = _FIXED.get(model)
+    if inputs is None:
+        inputs = _FIXED[model] = FixedInputs()
+    return inputs.put(name, value)
+
+
+def fixed_generation(model: nn.Module) -> int:
+    """How many times ``model``'s fixed buffers were (re)allocated: part of a capture's key."""
+    inputs = _FIXED.get(model)
+    return 0 if inputs is None else inputs.generation
