@@ -211,8 +211,9 @@ class RunConfig(_Section):
     device: str = "cpu"
     cuda_graphs: bool = Field(
         False,
-        description="replay the clients' plain SGD step (FedAvg's, no loss term or correction), batch making included, "
-        "from a captured CUDA graph: one launch per step instead of about a hundred (needs a cuda device)",
+        description="replay the clients' SGD step (the plain one, and a loss term or correction whose method declares a "
+        "graph_key), batch making included, from a captured CUDA graph: one launch per step instead of about a hundred "
+        "(needs a cuda device)",
     )
     threads: int | None = Field(
         None,
