@@ -183,6 +183,7 @@ GRAPHABLE = {
     "fedcurv": {},
     "fednova": {"algorithm.ccvr": "fedntd_quirk"},
     "fedntd+fedprox": {"algorithm.name": "fedntd", "algorithm.plus": {"fedprox": {"mu": 0.1}}},
+    "fedgen": {},  # its noise drawn before each step into fixed buffers (prepare_step); round 1 is the plain step
 }
 
 

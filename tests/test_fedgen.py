@@ -111,6 +111,7 @@ def test_client_regulariser_written_out(digits):
     term = sim.client_runtime.algorithm.extra_loss(ctx, msg)
     x, y = ctx.data.train_batch(ctx.train_indices[:32], torch.Generator().manual_seed(1))
     rng_state = ctx.generator.get_state()
+    term.prepare_step(32)  # local_sgd draws the step's noise and labels before the step (prepare_hook)
     value = term(model, x, y, model(x), None)
 
     # -- by hand --

@@ -45,7 +45,7 @@ from ..errors import ConfigError
 from .aggregate import ServerOptimizer
 from .base import ClientContext, Message, RoundInfo, ServerContext
 from .fedavg import FedAvg, FedAvgParams
-from .local import ExtraLoss, LocalResult
+from .local import ExtraLoss, LocalResult, prepare_hook
 
 # Hooks that only one part may define: they replace, rather than add to, FedAvg's behaviour.
 EXCLUSIVE_HOOKS = {"combine": "aggregation rule", "server_optimizer": "server optimiser", "private_mask": "private-parameter mask"}
@@ -197,6 +197,15 @@ class Composite(FedAvg):
             for term in terms[1:]:
                 total = total + term(model, x, y, logits, features)
             return total
+
+        hooks = [h for h in map(prepare_hook, terms) if h is not None]
+        if hooks:  # each part's per-step draws, in the listed order
+
+            def prepare_step(m: int) -> None:
+                for hook in hooks:
+                    hook(m)
+
+            summed.prepare_step = prepare_step
 
         return summed
 

@@ -260,19 +260,33 @@ class FedGen(FedAvg):
         ratio = p.gen_batch_size / self.local.batch_size  # B_g / B (official gen_ratio)
         num_classes = client.data.num_classes
         rng, device = client.generator, client.device
+        drawn: dict[str, torch.Tensor] = {}
+
+        def prepare_step(m: int) -> None:
+            # The step's noise and labels, drawn on the host from the client's stream before the step (local_sgd's
+            # prepare hook) in the order the step used to draw them; through client.fixed, so that a captured
+            # step reads each step's draws (one buffer set per batch size: a partial batch has its own graph).
+            drawn[f"eps.{m}"] = client.fixed(f"fedgen.eps.{m}", draw_noise(m, p.noise_dim, p.noise, rng).to(device))
+            drawn["sampled"] = client.fixed("fedgen.sampled", torch.randint(num_classes, (p.gen_batch_size,), generator=rng).to(device))
+            drawn["eps_g"] = client.fixed("fedgen.eps_g", draw_noise(p.gen_batch_size, p.noise_dim, p.noise, rng).to(device))
 
         def regulariser(model, x, y, logits, features):
             with torch.no_grad():  # the generator is not trained on the client
-                eps = draw_noise(y.shape[0], p.noise_dim, p.noise, rng).to(device)
-                latent_features = generator(eps, y)  # labels of the real batch: the KL term's target
-                sampled = torch.randint(num_classes, (p.gen_batch_size,), generator=rng).to(device)
-                eps_g = draw_noise(p.gen_batch_size, p.noise_dim, p.noise, rng).to(device)
-                generated_features = generator(eps_g, sampled)
+                latent_features = generator(drawn[f"eps.{y.shape[0]}"], y)  # the real batch's labels: the KL's target
+                generated_features = generator(drawn["eps_g"], drawn["sampled"])
                 latent_logits = model.classify(latent_features)  # the client's current head, a target only
             generated_logits = model.classify(generated_features)  # gradient reaches the head only
-            return fedgen_client_regulariser(logits, latent_logits, generated_logits, sampled, alpha, beta, ratio)
+            return fedgen_client_regulariser(logits, latent_logits, generated_logits, drawn["sampled"], alpha, beta, ratio)
 
+        regulariser.prepare_step = prepare_step
         return regulariser
+
+    def graph_key(self, client: ClientContext, msg: Message) -> tuple:
+        # The generator is one module loaded in place, the draws go through client.fixed; α_t and β_t are this
+        # round's Python numbers (the term is absent in round 1: the plain step).
+        if not self.params.regularization or client.round <= 1:
+            return ()
+        return (float(msg["generative_alpha"]), float(msg["generative_beta"]))
 
     def reply_extras(self, client: ClientContext, info: RoundInfo, msg: Message, result: LocalResult) -> dict[str, Any]:
         counts = label_counts(client)

@@ -20,8 +20,20 @@ from ..engine.evaluation import Evaluation, autocast_context, evaluate  # noqa: 
 from .base import ClientContext
 
 # extra_loss(model, x, y, logits, features) -> scalar tensor added to the CE loss; ``features`` is the
-# penultimate representation when the caller asked for it (with_features=True), else None.
+# penultimate representation when the caller asked for it (with_features=True), else None. A term that draws
+# random inputs on the host each step (FedGen's noise) may carry ``prepare_step(m)``: local_sgd calls it before
+# every step, outside any captured graph, with the batch's size (see prepare_hook).
 ExtraLoss = Callable[[nn.Module, torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+
+
+def prepare_hook(extra_loss: ExtraLoss | None) -> Callable[[int], None] | None:
+    """The term's per-step host hook (``extra_loss.prepare_step``), or None.
+
+    A captured step cannot draw from the client's CPU generator (the draw would be baked into the graph): a term
+    whose inputs are random draws makes them here, before each step, into ``client.fixed`` buffers that its loss
+    reads. The eager loop calls it at the same point, so the draws keep their order in the client's stream.
+    """
+    return getattr(extra_loss, "prepare_step", None)
 
 
 @dataclass(frozen=True)
@@ -94,6 +106,7 @@ def local_sgd(
     # (engine/cuda_graphs.py); partial batches run the same step eagerly. Loss terms and corrections are captured
     # when the method says what they bake in (graph_key) and reads its per-client tensors through client.fixed.
     plain = extra_loss is None and logit_transform is None and before_step is None and not with_features
+    prepare = prepare_hook(extra_loss)
     if client.cuda_graphs and (plain or graph_key is not None):
         terms = () if plain else (graph_key, fixed_generation(model))
         train_step = plain_train_step(
@@ -105,6 +118,8 @@ def local_sgd(
         for _ in range(epochs):
             for cols in client.data.epoch_columns(client.train_indices, batch_size, client.generator):
                 m = int(cols.shape[1])
+                if prepare is not None:
+                    prepare(m)
                 if graphed is None and eager_optimizer is None and m == batch_size:
                     key = StepKey(tuple(cols.shape), lr, momentum, weight_decay, grad_clip, client.precision, terms)
                     graphed = graphed_sgd_step(model, key, new_optimizer, client.data.batch_from_columns, cols, train_step)
@@ -122,6 +137,8 @@ def local_sgd(
     optimizer = new_optimizer(model)
     for _ in range(epochs):
         for x, y in client.data.epoch_batches(client.train_indices, batch_size, client.generator):
+            if prepare is not None:
+                prepare(int(y.shape[0]))
             with autocast_context(client.precision, client.device):
                 if with_features:  # one forward: features for the loss term, logits from them
                     features = model.extract(x)

@@ -261,12 +261,16 @@ class FixedInputs:
 
     def __init__(self) -> None:
         self.buffers: dict[str, torch.Tensor] = {}
-        self.generation = 0  # bumped when a buffer is (re)allocated: a graph captured before reads stale addresses
+        # Bumped when a buffer is reallocated (another shape, dtype or device): a graph captured before reads its old
+        # address. A new name is not counted: no graph captured before can have read it.
+        self.generation = 0
 
     def put(self, name: str, value: torch.Tensor) -> torch.Tensor:
         value = value.detach()
         buffer = self.buffers.get(name)
-        if buffer is None or buffer.shape != value.shape or buffer.dtype != value.dtype or buffer.device != value.device:
+        if buffer is None:
+            self.buffers[name] = buffer = value.clone()
+        elif buffer.shape != value.shape or buffer.dtype != value.dtype or buffer.device != value.device:
             self.buffers[name] = buffer = value.clone()
             self.generation += 1
         else:
