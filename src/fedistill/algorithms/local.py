@@ -103,7 +103,7 @@ def local_sgd(
     loss_sum = torch.zeros((), dtype=torch.float64, device=client.device)
     steps = seen = 0
     # run.cuda_graphs: the step is replayed from one CUDA graph that also makes the batch from its index columns
-    # (engine/cuda_graphs.py); partial batches run the same step eagerly. Loss terms and corrections are captured
+    # (engine/cuda_graphs.py), a partial batch from a graph of its size. Loss terms and corrections are captured
     # when the method says what they bake in (graph_key) and reads its per-client tensors through client.fixed.
     plain = extra_loss is None and logit_transform is None and before_step is None and not with_features
     prepare = prepare_hook(extra_loss)
