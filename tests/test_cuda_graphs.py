@@ -250,3 +250,35 @@ def test_a_method_that_declares_no_graph_key_keeps_the_eager_step(digits, monkey
     assert torch.equal(eager[-1], graphed[-1])
     eager, graphed, _ = _graphs_against_eager_on_cpu(digits, monkeypatch, rounds=2, **{"algorithm.name": "fedprox", "algorithm.mu": 0.1})
     assert _StepWithoutCapture.keys and all(key.terms != () for key in _StepWithoutCapture.keys)  # the check can fail
+
+
+def test_fixed_inputs_keep_their_address_and_count_only_reallocations():
+    """client.fixed's store: the same name and shape is copied in place (a captured graph reads the new values at
+    the old address); a new name is not a reallocation; another shape is one, and bumps the generation that is
+    part of a capture's key, so a graph that read the old address is captured anew."""
+    from fedistill.engine.cuda_graphs import FixedInputs
+
+    store = FixedInputs()
+    first = store.put("anchor", torch.arange(4.0))
+    assert store.generation == 0
+    again = store.put("anchor", torch.full((4,), 7.0))
+    assert again.data_ptr() == first.data_ptr() and torch.equal(first, torch.full((4,), 7.0))
+    store.put("other", torch.zeros(2))
+    assert store.generation == 0
+    moved = store.put("anchor", torch.zeros(5))
+    assert store.generation == 1 and moved.shape == (5,)
+    store.put("anchor", torch.zeros(5, dtype=torch.float64))
+    assert store.generation == 2
+
+
+def test_client_fixed_is_the_identity_without_graphs_and_refuses_a_missing_store(digits):
+    from fedistill.data.pipeline import TensorPipeline
+    from fedistill.protocol import ClientContext
+
+    value = torch.ones(3)
+    ctx = ClientContext(cid=0, train_indices=torch.arange(4), data=TensorPipeline(digits), model=nn.Linear(2, 2),
+                        generator=torch.Generator())
+    assert ctx.fixed("x", value) is value and ctx.fixed_list("y", [value])[0] is value
+    ctx.cuda_graphs = True
+    with pytest.raises(RuntimeError, match="graph_inputs"):
+        ctx.fixed("x", value)
