@@ -187,7 +187,7 @@ GRAPHABLE = {
 }
 
 
-def _graphs_against_eager_on_cpu(digits, monkeypatch, rounds=3, **overrides):
+def _graphs_against_eager_on_cpu(digits, monkeypatch, rounds=2, **overrides):
     """The global model after each round, eager and through local_sgd's graph branch (fake capture), and the number
     of fake captures made."""
     import dataclasses
