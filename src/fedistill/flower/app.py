@@ -267,6 +267,7 @@ def run_server(grid: Grid, cfg: Config, settings: FlowerSettings) -> dict[str, A
     from ..report.plots import accuracy_label, config_title, plot_accuracy, plot_class_distributions, plot_partition, plot_personal_accuracy
     from ..report.rundir import RunDirectory
     from ..report.environment import environment_info
+    from ..report.runlog import ROUND_LINE_WIDTH, round_line
     from ..runner import load_dataset_for
 
     cfg = with_client_threads(cfg)
@@ -416,12 +417,8 @@ def run_server(grid: Grid, cfg: Config, settings: FlowerSettings) -> dict[str, A
             bytes_up = sum(reply.nbytes() for reply in replies.values())
             row = runtime.complete_round(info, replies, bytes_down, bytes_up, started)
             run_dir.append_metrics(row)
-            acc = row.get(accuracy_key)
-            _say(
-                f"round {rnd}/{cfg.rounds}: {len(replies)} clients, "
-                + (f"{accuracy_name} {acc:.2f}%, " if acc is not None else "")
-                + f"{bytes_down} B down, {bytes_up} B up, {row['seconds']:.1f} s"
-            )
+            # The simulation's round line (at most 80 columns; metrics.csv keeps every field), with the replies.
+            _say(f"{round_line(row, cfg.rounds, accuracy_key, width=ROUND_LINE_WIDTH - 13)}  {len(replies):>3} clients")
     except TrainingDiverged as exc:
         finish("diverged", str(exc))
         raise
