@@ -67,9 +67,34 @@ def main(argv: list[str] | None = None) -> int:
                 teacher_top_class_share=float(top.max()) / x.shape[0],
                 teacher_max_prob=float(target.max(dim=1).values.mean()),
             )
+            row.update(logit_scales(server, x, replies))
             if real_labels is not None:
                 row["teacher_target_accuracy"] = 100.0 * float((target.argmax(dim=1) == real_labels).float().mean())
                 row.update(routing(server, x, replies, cids))
+
+    def logit_scales(server, x, replies):
+        """How large the logits are that the student is asked to match (issue 42: a collapse with test loss 70):
+        per teacher the mean over the inputs of max − min logit, the largest teacher's, and the student's (ŵ) on the
+        same inputs and on the real test images."""
+        teacher, discriminator = algorithm._server_teachers(server)
+        spreads = []
+        with torch.no_grad():
+            for reply in replies:
+                set_flat(teacher, reply["weights"])
+                z = teacher(x).float()
+                spreads.append(float((z.max(1).values - z.min(1).values).mean()))
+            student = server.model
+            was = student.training
+            student.eval()
+            z_gen, z_real = student(x).float(), student(real_x[:2000]).float()
+            student.train(was)
+        spread = lambda z: float((z.max(1).values - z.min(1).values).mean())  # noqa: E731
+        return dict(
+            teacher_logit_spread_mean=sum(spreads) / len(spreads),
+            teacher_logit_spread_max=max(spreads),
+            student_logit_spread_generated=spread(z_gen),
+            student_logit_spread_real=spread(z_real),
+        )
 
     def routing(server, x, replies, cids):
         """Do the discriminators send each real image to the clients that hold its class (Eq. 7's purpose)?
@@ -108,7 +133,17 @@ def main(argv: list[str] | None = None) -> int:
             target_accuracy_uniform_probs=target_accuracy(uniform, "probs"),
         )
 
-    watch_refiner(sim, args.rounds, before, lambda *unused: None, args.out)
+    def after(server, info, replies, row, metrics):
+        if row.get("refined"):  # the student's logit spread after the distillation, on real test images
+            with torch.no_grad():
+                student = server.model
+                was = student.training
+                student.eval()
+                z = student(real_x[:2000]).float()
+                student.train(was)
+            row["student_logit_spread_real_after"] = float((z.max(1).values - z.min(1).values).mean())
+
+    watch_refiner(sim, args.rounds, before, after, args.out)
     return 0
 
 

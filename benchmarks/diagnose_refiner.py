@@ -117,10 +117,10 @@ def watch_refiner(sim, rounds: int, before, after, out: str | None) -> list[dict
     rows: list[dict] = []
 
     def refine(server, info, replies, cids):
-        row = {"round": info.round, "acc_average": runtime.evaluate_global()[0]}
+        row = dict(zip(("round", "acc_average", "loss_average"), (info.round, *runtime.evaluate_global())))
         before(server, info, replies, row, cids)
         metrics = original_refine(server, info, replies, cids)
-        row["acc_after_refine"] = runtime.evaluate_global()[0]
+        row["acc_after_refine"], row["loss_after_refine"] = runtime.evaluate_global()
         after(server, info, replies, row, metrics)
         rows.append(row)
         print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}), flush=True)
