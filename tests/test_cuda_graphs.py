@@ -282,3 +282,49 @@ def test_client_fixed_is_the_identity_without_graphs_and_refuses_a_missing_store
     ctx.cuda_graphs = True
     with pytest.raises(RuntimeError, match="graph_inputs"):
         ctx.fixed("x", value)
+
+
+def test_the_eager_loop_keeps_autocasts_weight_cache_where_a_term_reuses_a_weight(digits):
+    """local_sgd's eager loop is one bf16 autocast region per step with the weight cache on, as it always was: a loss
+    term that runs the head a second time (FedGen's regulariser) then shares one bf16 copy of the head, whose two
+    gradients are summed in bf16 before the cast back. Written out here as a plain loop; the captured step's cache
+    off (each use's gradient cast back, summed in fp32) would give other bits, so the check can fail."""
+    from fedistill.algorithms.local import local_sgd
+    from fedistill.data.pipeline import TensorPipeline
+    from fedistill.models.registry import build_model
+    from fedistill.protocol import ClientContext
+
+    pipeline = TensorPipeline(digits)
+    torch.manual_seed(0)
+    start = build_model("mlp", (1, 8, 8), digits.num_classes, hidden=(16,))
+    probe = torch.randn(32, 16, generator=torch.Generator().manual_seed(5))
+
+    def term(model, x, y, logits, features):  # the head again, on other features, with gradient
+        return 0.5 * model.classify(probe).float().logsumexp(dim=1).mean()
+
+    def fresh():
+        model = build_model("mlp", (1, 8, 8), digits.num_classes, hidden=(16,))
+        model.load_state_dict(start.state_dict())
+        return model
+
+    indices = torch.arange(0, 64)
+    model = fresh()
+    ctx = ClientContext(cid=0, train_indices=indices, data=pipeline, model=model, generator=torch.Generator().manual_seed(1),
+                        precision="bf16")
+    local_sgd(ctx, lr=0.1, epochs=1, batch_size=32, extra_loss=term)
+
+    results = {}
+    for cache in (True, False):
+        by_hand = fresh()
+        optimizer = torch.optim.SGD(by_hand.parameters(), lr=0.1, fused=True)
+        for x, y in pipeline.epoch_batches(indices, 32, torch.Generator().manual_seed(1)):
+            with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=cache):
+                logits = by_hand(x)
+                loss = F.cross_entropy(logits.float(), y) + term(by_hand, x, y, logits, None)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+        results[cache] = torch.cat([p.detach().flatten() for p in by_hand.parameters()])
+    trained = torch.cat([p.detach().flatten() for p in model.parameters()])
+    assert torch.equal(trained, results[True])
+    assert not torch.equal(results[True], results[False])

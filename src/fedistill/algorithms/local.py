@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from typing import Callable, Hashable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..engine.cuda_graphs import GraphedSGDStep, StepKey, fixed_generation, graphed_sgd_step, plain_train_step
@@ -102,17 +101,21 @@ def local_sgd(
     # On the client's device: a CPU accumulator would copy (and so synchronise) an accelerator's loss every step.
     loss_sum = torch.zeros((), dtype=torch.float64, device=client.device)
     steps = seen = 0
+    prepare = prepare_hook(extra_loss)
     # run.cuda_graphs: the step is replayed from one CUDA graph that also makes the batch from its index columns
     # (engine/cuda_graphs.py), a partial batch from a graph of its size. Loss terms and corrections are captured
     # when the method says what they bake in (graph_key) and reads its per-client tensors through client.fixed.
     plain = extra_loss is None and logit_transform is None and before_step is None and not with_features
-    prepare = prepare_hook(extra_loss)
-    if client.cuda_graphs and (plain or graph_key is not None):
+    graphs = client.cuda_graphs and (plain or graph_key is not None)
+    # One step, eager or captured (engine/cuda_graphs.eager_sgd_step): CE on the (transformed) logits plus the loss
+    # term, backward, the gradient correction (SCAFFOLD acts on .grad before the step), the optional clip, SGD.
+    # The eager loop keeps autocast's weight cache (its bits, FedGen's included); a captured step cannot.
+    train_step = plain_train_step(
+        client.precision, grad_clip, extra_loss=extra_loss, logit_transform=logit_transform,
+        with_features=with_features, before_step=before_step, autocast_cache=not graphs,
+    )
+    if graphs:
         terms = () if plain else (graph_key, fixed_generation(model))
-        train_step = plain_train_step(
-            client.precision, grad_clip, extra_loss=extra_loss, logit_transform=logit_transform,
-            with_features=with_features, before_step=before_step,
-        )
         graphed: GraphedSGDStep | None = None
         eager_optimizer: torch.optim.Optimizer | None = None
         for _ in range(epochs):
@@ -139,24 +142,7 @@ def local_sgd(
         for x, y in client.data.epoch_batches(client.train_indices, batch_size, client.generator):
             if prepare is not None:
                 prepare(int(y.shape[0]))
-            with autocast_context(client.precision, client.device):
-                if with_features:  # one forward: features for the loss term, logits from them
-                    features = model.extract(x)
-                    logits = model.classify(features)
-                else:
-                    features, logits = None, model(x)
-                # A logit transform (FedRS's restricted softmax) changes only what the CE sees.
-                ce_logits = logits.float() if logit_transform is None else logit_transform(logits.float())
-                loss = F.cross_entropy(ce_logits, y)
-                if extra_loss is not None:
-                    loss = loss + extra_loss(model, x, y, logits, features)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            if before_step is not None:  # gradient corrections (SCAFFOLD) act on .grad before the step
-                before_step(model)
-            if grad_clip is not None:
-                nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
-            optimizer.step()
+            loss = train_step(model, optimizer, x, y, True)
             # Accumulate on-device; a single .item() at the end avoids a sync per step.
             loss_sum += loss.detach().double() * y.shape[0]
             steps += 1

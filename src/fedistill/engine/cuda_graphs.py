@@ -182,14 +182,20 @@ def eager_sgd_step(
     logit_transform: Callable[[torch.Tensor], torch.Tensor] | None = None,
     with_features: bool = False,
     before_step: Callable[[nn.Module], None] | None = None,
+    autocast_cache: bool = False,
 ) -> torch.Tensor:
     """The step ``local_sgd`` takes (fedavg.md §3): mean CE on the batch (its logits through ``logit_transform``)
-    plus ``extra_loss``, backward, ``before_step`` (a gradient correction), optional clip, SGD step; the same
-    operations in the same order as local_sgd's eager loop."""
+    plus ``extra_loss``, backward, ``before_step`` (a gradient correction), optional clip, SGD step.
+
+    ``autocast_cache``: bf16 autocast's weight cache, off for a captured step (a cached cast would be captured
+    once and not refreshed as the weights move), on in local_sgd's eager loop. It changes bits only where a loss
+    term runs a weight through the forward twice (FedGen's head): with the cache both uses share one bf16 copy,
+    whose gradient is summed in bf16 before the cast back; without it each use's gradient is cast back and summed
+    in fp32.
+    """
     if zero_grad:
         optimizer.zero_grad(set_to_none=True)
-    # No autocast weight cache: a cached cast would be captured once and not refreshed as the weights move.
-    with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=precision == "bf16", cache_enabled=False):
+    with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=precision == "bf16", cache_enabled=autocast_cache):
         if with_features:
             features = model.extract(x)
             logits = model.classify(features)
