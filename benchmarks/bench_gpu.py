@@ -97,6 +97,28 @@ SERVER_METHODS = (
 )
 
 
+def round_accuracy(row: dict) -> float | None:
+    """The global model's test accuracy, or the clients' own models' where a method has no global model."""
+    return row.get("test_accuracy") if row.get("test_accuracy") is not None else row.get("personal_accuracy")
+
+
+def run_rounds(sim: Simulation, rounds: int, device: str, label: str | None = None, stop_after_s: float | None = None) -> list[dict]:
+    """Rounds 1..``rounds`` of ``sim`` (each synchronised on a GPU, so its seconds are the device's too), then closed;
+    stops early after a round longer than ``stop_after_s``. With ``label``, one line a round."""
+    rows = []
+    for rnd in range(1, rounds + 1):
+        row = sim.run_round(rnd)
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        rows.append(row)
+        if label is not None:
+            print(f"  {label} round {rnd}: {row['seconds']:.2f} s (server {row.get('server_seconds', 0.0):.2f}), acc {round_accuracy(row):.2f}", flush=True)
+        if stop_after_s is not None and row["seconds"] > stop_after_s:
+            break
+    sim.close()
+    return rows
+
+
 def server_methods(data_dir: str, rounds: int, device: str) -> dict:
     """Seconds per round and the server's share for FedFTG, DaFKD and FedICT on their reduced presets' settings."""
     from pathlib import Path
@@ -110,23 +132,14 @@ def server_methods(data_dir: str, rounds: int, device: str) -> dict:
         preset = load_preset(str(repo / preset_file))
         cfg = run_config(preset, column, method, 0, rounds, {"run.device": device, "dataset.data_dir": data_dir, **extra})
         dataset = load_dataset_for(cfg)
-        sim = Simulation(cfg, dataset)
-        rows = []
-        for rnd in range(1, rounds + 1):
-            row = sim.run_round(rnd)
-            if device.startswith("cuda"):
-                torch.cuda.synchronize()
-            rows.append(row)
-            accuracy = row.get("test_accuracy") if row.get("test_accuracy") is not None else row.get("personal_accuracy")
-            print(f"  {label} round {rnd}: {row['seconds']:.2f} s (server {row.get('server_seconds', 0.0):.2f}), acc {accuracy:.2f}", flush=True)
-        sim.close()
+        rows = run_rounds(Simulation(cfg, dataset), rounds, device, label=label)
         timed = rows[1:] if len(rows) > 1 else rows
         out[label] = {
             "preset": f"{preset_file} [{column}]",
             "s_per_round": float(np.mean([r["seconds"] for r in timed])),
             "server_s_per_round": float(np.mean([r.get("server_seconds", 0.0) for r in timed])),
             "round1_s": rows[0]["seconds"],
-            "accuracy_last": rows[-1].get("test_accuracy") if rows[-1].get("test_accuracy") is not None else rows[-1].get("personal_accuracy"),
+            "accuracy_last": round_accuracy(rows[-1]),
         }
     return out
 

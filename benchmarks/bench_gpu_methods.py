@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from bench_fedavg_mnist import PROTOCOL
+from bench_gpu import round_accuracy, run_rounds
 from fedistill.algorithms.fedavg import FedAvg
 from fedistill.bench import load_suite, suite_cells
 from fedistill.registry import ALGORITHMS
@@ -70,25 +71,15 @@ def uses_local_sgd(name: str) -> bool:
 
 
 def run(cfg, dataset, rounds: int, device: str) -> dict:
-    sim = Simulation(cfg, dataset)
-    rows = []
-    for rnd in range(1, rounds + 1):
-        row = sim.run_round(rnd)
-        if device.startswith("cuda"):
-            torch.cuda.synchronize()
-        rows.append(row)
-        if row["seconds"] > 60:  # a heavy method: one round says enough
-            break
-    sim.close()
+    rows = run_rounds(Simulation(cfg, dataset), rounds, device, stop_after_s=60)  # a heavy method: one round says enough
     timed = rows[-1]
-    accuracy = timed.get("test_accuracy") if timed.get("test_accuracy") is not None else timed.get("personal_accuracy")
     return {
         "round1_s": rows[0]["seconds"],
         "s_per_round": timed["seconds"],
         "server_s": timed.get("server_seconds"),
         "eval_s": timed.get("eval_seconds"),
         "timed_round": len(rows),
-        "accuracy": accuracy,
+        "accuracy": round_accuracy(timed),
     }
 
 
