@@ -163,9 +163,10 @@ def _graphs_against_eager(digits, rounds=3, **overrides):
     eager = Simulation(small_config(rounds=rounds, **settings), digits)
     graphed = Simulation(small_config(rounds=rounds, **settings, **GRAPHS), digits)
     gaps = []
+    eager.records, graphed.records = [], []  # each round's record, for the evaluation's numbers
     for rnd in range(1, rounds + 1):
-        eager.run_round(rnd)
-        graphed.run_round(rnd)
+        eager.records.append(eager.run_round(rnd))
+        graphed.records.append(graphed.run_round(rnd))
         gaps.append(float((get_flat(eager.server.model) - get_flat(graphed.server.model)).abs().max()))
     return eager, graphed, gaps
 
@@ -180,9 +181,50 @@ def test_cuda_graphs_replay_the_eager_step(digits, precision):
 
 
 def test_cuda_graphs_give_the_eager_bits(digits):
-    """Stronger than the above, and what lets a run switch to graphs without changing its numbers: bit for bit."""
-    _, _, gaps = _graphs_against_eager(digits)
+    """Stronger than the above, and what lets a run switch to graphs without changing its numbers: bit for bit,
+    the evaluation (one replay of the whole test loop with graphs) included."""
+    eager, graphed, gaps = _graphs_against_eager(digits)
     assert max(gaps) == 0.0, gaps
+    for key in ("test_accuracy", "test_loss"):
+        assert [r[key] for r in eager.records] == [r[key] for r in graphed.records], key
+
+
+def test_the_captured_evaluation_gives_the_eager_numbers_and_follows_the_weights(digits):
+    """engine/cuda_graphs.graphed_evaluate against evaluate on the device: accuracy, loss, the class histogram and
+    the per-sample hits bit for bit; weights loaded in place are read by the next replay (the replay of a graph
+    that kept the capture's weights would repeat its first numbers); replaced weights are captured anew."""
+    from fedistill.data.pipeline import TensorPipeline
+    from fedistill.engine import cuda_graphs
+    from fedistill.engine.evaluation import evaluate
+
+    pipeline = TensorPipeline(digits, device="cuda")
+    torch.manual_seed(0)
+    features = int(torch.tensor(digits.input_shape).prod())
+    model = torch.nn.Sequential(
+        torch.nn.Flatten(), torch.nn.Linear(features, 32), torch.nn.ReLU(), torch.nn.Linear(32, digits.num_classes)
+    ).cuda()
+    batches = lambda: pipeline.test_batches(64)  # noqa: E731  (a partial last batch: 64 does not divide the split)
+    losses = []
+    for _ in range(3):
+        for per_sample in (False, True):  # both kept: a run may ask for the hits in some rounds only
+            eager = evaluate(model, batches(), "fp32", per_sample)
+            graphed = cuda_graphs.graphed_evaluate(model, batches, "fp32", per_sample, pipeline.test_tensors, 64)
+            assert (graphed.accuracy, graphed.loss) == (eager.accuracy, eager.loss)
+            assert torch.equal(graphed.predictions, eager.predictions)
+            assert (graphed.correct is None) == (not per_sample)
+            if per_sample:
+                assert torch.equal(graphed.correct, eager.correct)
+        losses.append(eager.loss)
+        with torch.no_grad():  # new weights, loaded in place as the server loads the aggregate
+            for p in model.parameters():
+                p.add_(torch.randn_like(p) * 0.05)
+    assert len(set(losses)) == 3  # the weights moved, so the numbers did
+    captured = dict(cuda_graphs._EVALUATIONS[model])
+    assert len(captured) == 2 and None not in captured.values()  # one capture each, replayed after every load
+    model[3] = torch.nn.Linear(32, digits.num_classes).cuda()  # a replaced layer: new addresses, a new capture
+    graphed = cuda_graphs.graphed_evaluate(model, batches, "fp32", False, pipeline.test_tensors, 64)
+    assert len(cuda_graphs._EVALUATIONS[model]) == 3
+    assert graphed.loss == evaluate(model, batches(), "fp32").loss
 
 
 def test_cuda_graphs_with_batchnorm_and_a_clip(digits):

@@ -7,6 +7,8 @@ optimizer's trajectory bit for bit, so one optimizer can live with the captured 
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -328,3 +330,106 @@ def test_the_eager_loop_keeps_autocasts_weight_cache_where_a_term_reuses_a_weigh
     trained = torch.cat([p.detach().flatten() for p in model.parameters()])
     assert torch.equal(trained, results[True])
     assert not torch.equal(results[True], results[False])
+
+
+class _EvaluationWithoutCapture:
+    """engine/cuda_graphs.GraphedEvaluation without CUDA: "replaying" runs the captured loop again."""
+
+    made = 0
+
+    def __init__(self, run, key):
+        self.run, self.key = run, key
+        type(self).made += 1
+
+    def replay(self):
+        return self.run()
+
+
+def _evaluation_case(digits, monkeypatch):
+    from fedistill.data.pipeline import TensorPipeline
+    from fedistill.engine import cuda_graphs
+
+    monkeypatch.setattr(cuda_graphs, "GraphedEvaluation", _EvaluationWithoutCapture)
+    _EvaluationWithoutCapture.made = 0
+    torch.manual_seed(0)
+    features = int(torch.tensor(digits.input_shape).prod())
+    model = nn.Sequential(nn.Flatten(), nn.Linear(features, 16), nn.ReLU(), nn.Linear(16, digits.num_classes))
+    return TensorPipeline(digits), model
+
+
+def test_the_evaluation_graph_is_kept_per_key_and_captured_anew_for_replaced_weights(digits, monkeypatch):
+    """graphed_evaluate's key: in-place weight loads replay the same capture; the hits, another batch size or a
+    replaced layer (weights at new addresses, which a kept graph would not read) each capture anew; the numbers are
+    evaluate's throughout."""
+    from fedistill.engine import cuda_graphs
+    from fedistill.engine.evaluation import evaluate
+
+    pipeline, model = _evaluation_case(digits, monkeypatch)
+
+    def both(per_sample=False, batch_size=50):
+        graphed = cuda_graphs.graphed_evaluate(
+            model, lambda: pipeline.test_batches(batch_size), "fp32", per_sample, pipeline.test_tensors, batch_size
+        )
+        eager = evaluate(model, pipeline.test_batches(batch_size), "fp32", per_sample)
+        assert (graphed.accuracy, graphed.loss) == (eager.accuracy, eager.loss)
+        assert torch.equal(graphed.predictions, eager.predictions)
+        if per_sample:
+            assert torch.equal(graphed.correct, eager.correct)
+
+    for _ in range(3):
+        both()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(0.9)  # loaded in place: same addresses
+    assert _EvaluationWithoutCapture.made == 1
+    both(per_sample=True)
+    both()
+    assert _EvaluationWithoutCapture.made == 2  # the per-sample graph and the plain one, both kept
+    both(batch_size=32)
+    assert _EvaluationWithoutCapture.made == 3
+    model[3] = nn.Linear(16, digits.num_classes)
+    both(batch_size=32)
+    assert _EvaluationWithoutCapture.made == 4
+    both(batch_size=32)
+    both(per_sample=True)  # a fifth key: the oldest graph is dropped
+    assert _EvaluationWithoutCapture.made == 5 and len(cuda_graphs._EVALUATIONS[model]) == cuda_graphs.MAX_EVALUATION_GRAPHS
+
+
+def test_an_evaluation_that_cannot_be_captured_runs_eagerly_and_says_so_once(digits, monkeypatch):
+    from fedistill.engine import cuda_graphs
+    from fedistill.engine.evaluation import evaluate
+
+    pipeline, model = _evaluation_case(digits, monkeypatch)
+    attempts = []
+
+    def refuse(run, key):
+        attempts.append(key)
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(cuda_graphs, "GraphedEvaluation", refuse)
+    run = lambda: cuda_graphs.graphed_evaluate(model, lambda: pipeline.test_batches(50), "fp32", False, pipeline.test_tensors, 50)  # noqa: E731
+    with pytest.warns(UserWarning, match="could not be captured.*runs eagerly"):
+        first = run()
+    assert first.loss == evaluate(model, pipeline.test_batches(50)).loss
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert run().accuracy == first.accuracy
+    assert len(attempts) == 1  # not tried again for the same key
+
+
+def test_one_read_of_the_totals_gives_the_numbers_of_separate_reads(digits):
+    """read_totals packs the counts and the loss into one float64 copy: exact for counts below 2**53, so the
+    accuracy, loss and histogram are the ones three separate reads give; written out from the totals here."""
+    from fedistill.data.pipeline import TensorPipeline
+    from fedistill.engine.evaluation import evaluation_totals, read_totals
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(int(torch.tensor(digits.input_shape).prod()), digits.num_classes))
+    with torch.inference_mode():
+        totals = evaluation_totals(model.eval(), TensorPipeline(digits).test_batches(40), "fp32", per_sample=True)
+    result = read_totals(totals)
+    assert result.accuracy == int(totals.correct) / totals.count
+    assert result.loss == float(totals.loss_sum) / totals.count
+    assert result.predictions.dtype == torch.int64 and torch.equal(result.predictions, totals.predicted)
+    assert int(result.predictions.sum()) == totals.count == result.correct.numel()
+    assert int(result.correct.sum()) == int(totals.correct)

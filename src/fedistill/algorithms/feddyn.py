@@ -99,8 +99,9 @@ class FedDyn(FedAvg):
     ) -> torch.Tensor:
         mask = trainable_mask(server.model)
         drift_sum = torch.zeros(int(mask.sum()), dtype=torch.float64)
+        global_trainable = global_vec[mask].double()  # once, not once per reply: the same numbers
         for r in replies:
-            drift_sum += (r["weights"][mask].double() - global_vec[mask].double())
+            drift_sum += r["weights"][mask].double() - global_trainable
         h = server.state.get("feddyn_h", torch.zeros(int(mask.sum()))).double()
         h = h - (self.params.alpha / server.num_clients) * drift_sum
         server.state["feddyn_h"] = h.float()

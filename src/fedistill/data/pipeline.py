@@ -221,6 +221,12 @@ class TensorPipeline:
         indices = self._to_device(indices)
         return self.normalise(self._train_x[indices]), self._train_y[indices].to(self.device)
 
+    @property
+    def test_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The test images (uint8 or float, as stored) and labels every test batch is cut from, on the pipeline's
+        device for a GPU run: a captured evaluation (engine/cuda_graphs.py) keys on their addresses."""
+        return self._test_x, self._test_y
+
     def test_batches(self, batch_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """The test split in order, normalised batch by batch (no float copy of the whole split is kept)."""
         x, y = self._test_x, self._test_y

@@ -41,13 +41,14 @@ from __future__ import annotations
 import warnings
 import weakref
 from dataclasses import dataclass
-from typing import Callable, Hashable
+from typing import Callable, Hashable, Iterable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ..errors import ConfigError
+from .evaluation import Evaluation, EvaluationTotals, evaluate, evaluation_totals, read_totals
 
 Optimizers = Callable[[nn.Module], torch.optim.Optimizer]
 BatchMaker = Callable[[torch.Tensor], "tuple[torch.Tensor, torch.Tensor]"]  # columns -> (x, y), on the device
@@ -304,3 +305,76 @@ def fixed_generation(model: nn.Module) -> int:
     """How many times ``model``'s fixed buffers were (re)allocated: part of a capture's key."""
     inputs = _FIXED.get(model)
     return 0 if inputs is None else inputs.generation
+
+
+class GraphedEvaluation:
+    """The server's evaluation of the whole test split as one CUDA graph (``run.cuda_graphs``, issue 41).
+
+    After the client steps were captured, the largest host cost of a graphed FedAvg round on the MNIST protocol was
+    the global model's evaluation: 100 test batches of eager kernels (about 0.14 s of a 0.58 s round on an H100,
+    benchmarks/RESULTS.md "The GPU, fourth lease"). Everything it reads keeps its address from round to round: the
+    test images and labels live on the device for the run, and the server model's weights are loaded in place. So
+    the loop over every batch (:func:`~fedistill.engine.evaluation.evaluation_totals`: normalisation, forward,
+    cross-entropy, hits and the class histogram, summed on the device) is recorded once, unrolled, and each later
+    evaluation is one replay: the same kernels in the same order on the same memory, so the same bits.
+
+    The key holds the address, shape and dtype of every weight, buffer and data tensor read: a model whose weights
+    were replaced (not loaded in place) or another test split is captured anew, never read at stale addresses.
+    """
+
+    def __init__(self, run: Callable[[], EvaluationTotals], key: Hashable):
+        self.key = key
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # lazy cuDNN/cuBLAS state for these shapes, outside the capture
+            run()
+        torch.cuda.current_stream().wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
+            self.totals = run()
+
+    def replay(self) -> EvaluationTotals:
+        self.graph.replay()
+        return self.totals
+
+
+# The captured evaluations of each model by key (None: that key's capture failed, so it is evaluated eagerly). A
+# run can ask for the per-sample hits in some rounds and not in others: both graphs are kept. A key whose weights
+# moved (replaced, not loaded in place) is never met again, so past MAX_EVALUATION_GRAPHS keys the oldest goes.
+_EVALUATIONS: "weakref.WeakKeyDictionary[nn.Module, dict[Hashable, GraphedEvaluation | None]]" = weakref.WeakKeyDictionary()
+MAX_EVALUATION_GRAPHS = 4
+
+
+def _addresses(tensors) -> tuple:
+    return tuple((t.data_ptr(), tuple(t.shape), t.dtype) for t in tensors)
+
+
+def graphed_evaluate(
+    model: nn.Module,
+    make_batches: Callable[[], Iterable[tuple[torch.Tensor, torch.Tensor]]],
+    precision: str,
+    per_sample: bool,
+    data: tuple[torch.Tensor, ...],
+    settings: Hashable = (),
+) -> Evaluation:
+    """:func:`~fedistill.engine.evaluation.evaluate` of ``model`` on ``make_batches()`` replayed from one CUDA graph.
+
+    ``data``: every tensor the batches are cut from (the test images and labels on the device); ``settings``: what
+    else shapes the batches (the batch size). Both are part of the capture's key with the model's weight addresses.
+    """
+    key = (precision, per_sample, settings, _addresses(_state_tensors(model)), _addresses(data))
+    with torch.inference_mode():
+        model.eval()
+        graphs = _EVALUATIONS.setdefault(model, {})
+        if key not in graphs:
+            while len(graphs) >= MAX_EVALUATION_GRAPHS:  # release the oldest graph's memory before capturing anew
+                graphs.pop(next(iter(graphs)))
+            try:
+                graphs[key] = GraphedEvaluation(lambda: evaluation_totals(model, make_batches(), precision, per_sample), key)
+            except RuntimeError as exc:  # this model's forward cannot be captured: eager evaluation, same numbers
+                warnings.warn(f"run.cuda_graphs: the evaluation of {type(model).__name__} could not be captured ({exc}); it runs eagerly")
+                graphs[key] = None
+        graphed = graphs[key]
+        if graphed is None:
+            return evaluate(model, make_batches(), precision, per_sample)
+        return read_totals(graphed.replay())

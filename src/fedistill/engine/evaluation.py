@@ -24,17 +24,25 @@ class Evaluation(NamedTuple):
     correct: torch.Tensor | None = None  # (N,) bool per sample, in batch order, when asked for (per_sample)
 
 
-@torch.inference_mode()
-def evaluate(
+class EvaluationTotals(NamedTuple):
+    """What :func:`evaluation_totals` accumulates, on the model's device (a captured evaluation's outputs)."""
+
+    correct: torch.Tensor  # () int64: samples classified right
+    loss_sum: torch.Tensor  # () float64: summed cross-entropy
+    predicted: torch.Tensor  # (C,) int64 predicted-class counts
+    hits: torch.Tensor | None  # (N,) bool per sample, with per_sample
+    count: int  # samples seen (known on the host: batch shapes)
+
+
+def evaluation_totals(
     model: nn.Module,
     batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
     precision: str = "fp32",
     per_sample: bool = False,
-) -> Evaluation:
-    """Top-1 accuracy, mean cross-entropy and the predicted-class histogram of ``model`` over ``(x, y)``
-    batches; with ``per_sample`` also which samples were right (personalised accuracy per client split)."""
-    model.eval()
-    # Accumulated on the model's device and read once at the end: no host synchronisation per batch.
+) -> EvaluationTotals:
+    """The sums behind :func:`evaluate`, left on the model's device: no host synchronisation, so the whole loop
+    can be captured as one CUDA graph (engine/cuda_graphs.py, ``GraphedEvaluation``). Call in inference mode
+    with the model in eval mode."""
     correct: torch.Tensor | int = 0
     loss_sum: torch.Tensor | float = 0.0
     predicted: torch.Tensor | None = None  # (C,) int64 counts on the model's device
@@ -57,4 +65,30 @@ def evaluate(
         n += yb.shape[0]
     if n == 0 or predicted is None:
         raise ValueError("evaluate: no samples")
-    return Evaluation(float(correct) / n, float(loss_sum) / n, predicted.cpu(), torch.cat(hits).cpu() if per_sample else None)
+    assert isinstance(correct, torch.Tensor) and isinstance(loss_sum, torch.Tensor)
+    return EvaluationTotals(correct, loss_sum, predicted, torch.cat(hits) if per_sample else None, n)
+
+
+def read_totals(totals: EvaluationTotals) -> Evaluation:
+    """The :class:`Evaluation` of device-side totals, read to the host in one copy (one wait on a GPU, not three).
+
+    The counts travel as float64, exact below 2**53, so the numbers are the ones separate reads would give."""
+    packed = torch.cat([totals.correct.double().view(1), totals.loss_sum.double().view(1), totals.predicted.double()]).cpu()
+    n = totals.count
+    predicted = packed[2:].to(torch.int64)
+    hits = totals.hits.cpu() if totals.hits is not None else None
+    return Evaluation(float(packed[0]) / n, float(packed[1]) / n, predicted, hits)
+
+
+@torch.inference_mode()
+def evaluate(
+    model: nn.Module,
+    batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
+    precision: str = "fp32",
+    per_sample: bool = False,
+) -> Evaluation:
+    """Top-1 accuracy, mean cross-entropy and the predicted-class histogram of ``model`` over ``(x, y)``
+    batches; with ``per_sample`` also which samples were right (personalised accuracy per client split)."""
+    model.eval()
+    # Accumulated on the model's device and read once at the end: no host synchronisation per batch.
+    return read_totals(evaluation_totals(model, batches, precision, per_sample))

@@ -27,6 +27,7 @@ from .checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
+from .cuda_graphs import graphed_evaluate
 from .evaluation import evaluate
 from .federation import check_partition
 from .perf import deterministic_kernels
@@ -242,8 +243,13 @@ class ServerRuntime:
     def evaluate_global_with_predictions(self, per_sample: bool = False) -> tuple[Any, ...]:
         """Accuracy (%), loss and the global model's predicted-class histogram on the test set (and, with
         ``per_sample``, whether each test sample was classified correctly)."""
-        batches = self.test_pipeline.test_batches(self.cfg.eval.batch_size)
-        result = evaluate(self.server.model, batches, self.cfg.run.precision, per_sample=per_sample)
+        pipeline, batch_size, precision = self.test_pipeline, self.cfg.eval.batch_size, self.cfg.run.precision
+        if self.cfg.run.cuda_graphs:  # one replay of the whole test loop (engine/cuda_graphs.py): the same bits
+            result = graphed_evaluate(
+                self.server.model, lambda: pipeline.test_batches(batch_size), precision, per_sample, pipeline.test_tensors, batch_size
+            )
+        else:
+            result = evaluate(self.server.model, pipeline.test_batches(batch_size), precision, per_sample=per_sample)
         head = (100.0 * result.accuracy, result.loss, result.predictions)
         return (*head, result.correct) if per_sample else head
 
