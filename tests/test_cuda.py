@@ -189,6 +189,24 @@ def test_cuda_graphs_give_the_eager_bits(digits):
         assert [r[key] for r in eager.records] == [r[key] for r in graphed.records], key
 
 
+def test_a_decayed_learning_rate_replays_the_first_capture(digits):
+    """The learning rate is a device tensor the captured optimizer reads (engine/cuda_graphs.cuda_learning_rate):
+    with lr decay every round the step captured in round 1 serves rounds 2 and 3, its tensor holds each round's
+    rate, and (test_cuda_graphs_give_the_eager_bits, same settings) the weights equal the eager run's bit for bit."""
+    from fedistill.engine import cuda_graphs
+
+    sim = Simulation(small_config(rounds=3, **GRAPH_RUN, **ON_GPU, **GRAPHS), digits)
+    steps = []
+    for rnd in (1, 2, 3):
+        sim.run_round(rnd)
+        step = cuda_graphs._STEPS[sim.client_runtime.worker]
+        steps.append(step)
+        expected = cuda_graphs.cuda_learning_rate(sim.cfg.local.lr * GRAPH_RUN["local.lr_decay"] ** (rnd - 1), torch.device("cuda"))
+        assert float(step.optimizer.param_groups[0]["lr"]) == expected
+        assert step.key.lr is None
+    assert steps[0] is steps[1] is steps[2]
+
+
 def test_the_captured_evaluation_gives_the_eager_numbers_and_follows_the_weights(digits):
     """engine/cuda_graphs.graphed_evaluate against evaluate on the device: accuracy, loss, the class histogram and
     the per-sample hits bit for bit; weights loaded in place are read by the next replay (the replay of a graph

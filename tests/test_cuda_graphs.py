@@ -114,7 +114,7 @@ def _fake_graphs(monkeypatch):
 
     steps: dict = {}
 
-    def fake_graphed(model, key, optimizer_for, make_batch, cols, train_step=None):
+    def fake_graphed(model, key, optimizer_for, make_batch, cols, train_step=None, lr=None):
         if model not in steps or steps[model].key != key:
             steps[model] = _StepWithoutCapture(model, key, optimizer_for, make_batch, cols, train_step)
         cuda_graphs.reset_momentum(steps[model].optimizer)
@@ -433,3 +433,31 @@ def test_one_read_of_the_totals_gives_the_numbers_of_separate_reads(digits):
     assert result.predictions.dtype == torch.int64 and torch.equal(result.predictions, totals.predicted)
     assert int(result.predictions.sum()) == totals.count == result.correct.numel()
     assert int(result.correct.sum()) == int(totals.correct)
+
+
+def test_the_learning_rate_is_rounded_to_float32_on_cuda_only():
+    """cuda_learning_rate: the fused SGD kernel reads a tensor learning rate as float32 and a Python one as float64,
+    so on CUDA both the eager and the captured step take the float32 value; elsewhere the rate is untouched."""
+    import numpy as np
+
+    from fedistill.engine.cuda_graphs import cuda_learning_rate
+
+    lr = 0.01 * 0.99**7  # not a float32 number
+    assert float(np.float32(lr)) != lr
+    assert cuda_learning_rate(lr, torch.device("cuda")) == float(np.float32(lr))
+    assert abs(cuda_learning_rate(lr, torch.device("cuda")) - lr) < 6e-8 * lr
+    assert cuda_learning_rate(lr, torch.device("cpu")) == lr
+
+
+def test_a_tensor_learning_rate_is_written_in_place_and_a_python_one_is_refused():
+    from fedistill.engine.cuda_graphs import set_tensor_learning_rate, tensor_learning_rate
+
+    model = _model()
+    rate = tensor_learning_rate(0.1, torch.device("cpu"))
+    optimizer = torch.optim.SGD(model.parameters(), lr=rate, momentum=0.9)
+    address = rate.data_ptr()
+    set_tensor_learning_rate(optimizer, 0.05)
+    assert optimizer.param_groups[0]["lr"].data_ptr() == address  # where a captured kernel reads it
+    assert float(optimizer.param_groups[0]["lr"]) == float(torch.tensor(0.05, dtype=torch.float32))
+    with pytest.raises(TypeError, match="Python number"):
+        set_tensor_learning_rate(torch.optim.SGD(model.parameters(), lr=0.1), 0.05)

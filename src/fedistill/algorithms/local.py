@@ -14,7 +14,15 @@ from typing import Callable, Hashable
 import torch
 from torch import nn
 
-from ..engine.cuda_graphs import GraphedSGDStep, StepKey, fixed_generation, graphed_sgd_step, plain_train_step
+from ..engine.cuda_graphs import (
+    GraphedSGDStep,
+    StepKey,
+    cuda_learning_rate,
+    fixed_generation,
+    graphed_sgd_step,
+    plain_train_step,
+    tensor_learning_rate,
+)
 from ..engine.evaluation import Evaluation, autocast_context, evaluate  # noqa: F401  (the methods import them from here)
 from .base import ClientContext
 
@@ -91,12 +99,17 @@ def local_sgd(
     """
     model = client.model
     model.train()
+    # On CUDA rounded to float32, as a captured step reads it from a tensor (engine/cuda_graphs.cuda_learning_rate).
+    lr = cuda_learning_rate(lr, client.device)
+    # run.cuda_graphs on a GPU: the learning rate lives in a device tensor, so a decayed one needs no new capture.
+    tensor_lr = client.cuda_graphs and client.device.type == "cuda"
 
     def new_optimizer(module: nn.Module) -> torch.optim.Optimizer:
         # The fused kernel does weight decay, momentum and the update in one pass per tensor, without the
         # temporary gradient copies of the default implementation: on CPU the optimizer step of the FedLMD
         # CNN is memory-bound and was up to half of the step time (benchmarks/RESULTS.md).
-        return torch.optim.SGD(module.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay, **fused(client.device))
+        step_lr = tensor_learning_rate(lr, client.device) if tensor_lr else lr
+        return torch.optim.SGD(module.parameters(), lr=step_lr, momentum=momentum, weight_decay=weight_decay, **fused(client.device))
 
     # On the client's device: a CPU accumulator would copy (and so synchronise) an accelerator's loss every step.
     loss_sum = torch.zeros((), dtype=torch.float64, device=client.device)
@@ -124,8 +137,11 @@ def local_sgd(
                 if prepare is not None:
                     prepare(m)
                 if graphed is None and eager_optimizer is None and m == batch_size:
-                    key = StepKey(tuple(cols.shape), lr, momentum, weight_decay, grad_clip, client.precision, terms)
-                    graphed = graphed_sgd_step(model, key, new_optimizer, client.data.batch_from_columns, cols, train_step)
+                    baked_lr = None if tensor_lr else lr
+                    key = StepKey(tuple(cols.shape), baked_lr, momentum, weight_decay, grad_clip, client.precision, terms)
+                    graphed = graphed_sgd_step(
+                        model, key, new_optimizer, client.data.batch_from_columns, cols, train_step, lr=lr if tensor_lr else None
+                    )
                 if graphed is not None:
                     loss = graphed.step(model, cols, train_step)
                 else:  # a client smaller than one batch: never a full batch to capture

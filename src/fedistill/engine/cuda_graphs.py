@@ -23,8 +23,13 @@ What a capture needs, and how this module meets it:
   cuBLAS/autograd state, the optimizer's buffers). They are real steps on the current batch, so the model's
   parameters and buffers are saved first and restored after capture: whether a step is the process's first
   capture or not changes nothing in the run, so a resumed run equals an uninterrupted one.
-- **Constants.** The learning rate, momentum, weight decay, clip and precision are baked into the captured
-  kernels: they are part of the key, and a change (a decayed learning rate in the next round) captures anew.
+- **Constants.** Momentum, weight decay, clip and precision are baked into the captured kernels: they are part of
+  the key, and a change captures anew.
+- **The learning rate is a device tensor** (issue 41), so that its decay from round to round does not capture
+  every step again (ten captures a round on the MNIST protocol, each draining the GPU's queue). The fused SGD
+  kernel reads a tensor learning rate as float32 and a Python one as float64 (``p -= lr * g`` in double), so on
+  CUDA ``local_sgd`` rounds the learning rate to float32 for the eager step too (:func:`cuda_learning_rate`):
+  graphs and eager then compute the same numbers, and a CPU run is untouched.
 - **Loss terms and gradient corrections** (issue 41: FedProx, FedNTD, FedLMD, MOON, SCAFFOLD, FedDyn, FedRS,
   FedCurv, ...). Their closures read tensors that change from client to client: the round's broadcast weights
   as an anchor, a control variate, a class mask, a frozen teacher. A graph captured with the first client's
@@ -65,7 +70,7 @@ class StepKey:
     """Everything that is baked into a captured step: a different value needs a new capture."""
 
     columns_shape: tuple[int, ...]  # (1 + random draws per sample, batch size)
-    lr: float
+    lr: float | None  # None: read from the optimizer's device tensor (set per client), not baked in
     momentum: float
     weight_decay: float
     grad_clip: float | None
@@ -124,8 +129,11 @@ class GraphedSGDStep:
     def _step(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, zero_grad: bool = True) -> torch.Tensor:
         return self.train_step(model, self.optimizer, x, y, zero_grad)
 
-    def start_client(self) -> None:
+    def start_client(self, lr: float | None = None) -> None:
+        """A fresh optimizer's state for the next client; ``lr`` into the device tensor the graph reads."""
         reset_momentum(self.optimizer)
+        if lr is not None:
+            set_tensor_learning_rate(self.optimizer, lr)
 
     def step(self, model: nn.Module, cols: torch.Tensor, train_step: TrainStep | None = None) -> torch.Tensor:
         """One training step on the batch ``cols``: the graph when it has the captured size, a partial batch's
@@ -252,15 +260,42 @@ def graphed_sgd_step(
     make_batch: BatchMaker,
     cols: torch.Tensor,
     train_step: TrainStep | None = None,
+    lr: float | None = None,
 ) -> GraphedSGDStep:
-    """The captured step of ``model`` for ``key``, capturing it (and its optimizer) when there is none yet."""
+    """The captured step of ``model`` for ``key``, capturing it (and its optimizer) when there is none yet.
+
+    ``lr``: with ``key.lr`` None, this client's learning rate, written into the optimizer's tensor."""
     step = _STEPS.get(model)
     if step is None or step.key != key or step.make_batch != make_batch:
         step = None
         _STEPS.pop(model, None)  # release the old graph's memory before capturing the new one
         step = _STEPS[model] = GraphedSGDStep(model, key, optimizer_for(model), make_batch, cols, train_step)
-    step.start_client()
+    step.start_client(lr)
     return step
+
+
+def cuda_learning_rate(lr: float, device: torch.device) -> float:
+    """The learning rate a client step uses on ``device``: on CUDA rounded to float32 (module docstring).
+
+    The fused SGD kernel computes ``p -= lr * g`` in double with the Python learning rate, and with ``(double)
+    *lr_ptr`` when the learning rate is a float32 tensor, as a captured step's must be to change between rounds
+    without a new capture. Rounding the Python value to float32 makes the two the same number (a relative change
+    below 6e-8); on other devices the learning rate is unchanged.
+    """
+    return float(torch.tensor(lr, dtype=torch.float32)) if device.type == "cuda" else lr
+
+
+def tensor_learning_rate(lr: float, device: torch.device) -> torch.Tensor:
+    """``lr`` as the float32 device tensor a captured optimizer reads (its address is baked into the graph)."""
+    return torch.tensor(lr, dtype=torch.float32, device=device)
+
+
+def set_tensor_learning_rate(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    """Write ``lr`` into each parameter group's learning-rate tensor, in place (the captured kernels read it)."""
+    for group in optimizer.param_groups:
+        if not isinstance(group["lr"], torch.Tensor):
+            raise TypeError("set_tensor_learning_rate: this optimizer's learning rate is a Python number, baked into its graph")
+        group["lr"].fill_(lr)
 
 
 class FixedInputs:
