@@ -141,23 +141,6 @@ def test_every_method_runs_two_rounds_on_the_gpu(name, tmp_path, capsys):
     assert len(rows) == 2 and accuracy is not None and 0.0 <= accuracy <= 100.0
 
 
-def test_flat_vectors_come_to_the_host_page_locked_with_the_same_values():
-    """models/flat.to_host: a GPU model's flat vector lands in page-locked memory (DMA, not a staged copy), equal to
-    .cpu()'s, and a CPU tensor is returned as it is."""
-    from fedistill.models.flat import flat_parameters, get_flat, set_flat, to_host
-
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(7, 5), torch.nn.BatchNorm1d(5), torch.nn.Linear(5, 3)).cuda()
-    vector = get_flat(model)
-    assert vector.device.type == "cpu" and vector.is_pinned()
-    assert torch.equal(vector, torch.cat([t.detach().reshape(-1).float() for t in model.state_dict().values() if t.is_floating_point()]).cpu())
-    assert flat_parameters(model).is_pinned()
-    set_flat(model, vector * 2)  # and back: a pinned vector loads like any other
-    assert torch.equal(get_flat(model), vector * 2)
-    cpu = torch.arange(4.0)
-    assert to_host(cpu) is cpu
-
-
 def test_building_a_run_leaves_the_cuda_generator_alone(digits):
     """Model and generator initialisation seed their own CPU stream inside fork_rng(devices=[]), which restores the
     CPU generator only: seeding through torch.manual_seed would also have reseeded CUDA's global generator."""

@@ -24,26 +24,11 @@ def num_flat(model: nn.Module) -> int:
     return sum(t.numel() for t in float_state(model))
 
 
-def to_host(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor`` on the CPU (itself when it is there); from a CUDA device into page-locked memory.
-
-    A client's weights cross to the host once per client and back once per broadcast (the Message boundary). From
-    pageable memory such a copy is staged through a driver buffer at a few GB/s, several milliseconds of the GPU
-    idling for the MNIST protocol's 1.6 M weights, twice per client (issue 41); page-locked memory is copied by DMA
-    directly, and PyTorch's caching host allocator reuses the blocks from round to round. The same values: a copy.
-    """
-    if tensor.device.type != "cuda":
-        return tensor.cpu()
-    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-    host.copy_(tensor)  # blocking, as .cpu() is: the caller reads the values next
-    return host
-
-
 @torch.no_grad()
 def get_flat(model: nn.Module) -> torch.Tensor:
-    """A new float32 CPU vector with the model's floating-point state (page-locked when it comes from a GPU)."""
+    """A new float32 CPU vector with the model's floating-point state."""
     # Concatenated where the model lives, then copied once: one device-to-host wait per model, not per tensor.
-    return to_host(torch.cat([t.detach().reshape(-1).float() for t in float_state(model)]))
+    return torch.cat([t.detach().reshape(-1).float() for t in float_state(model)]).cpu()
 
 
 @torch.no_grad()
@@ -88,7 +73,7 @@ def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
 
 def flat_parameters(model: nn.Module) -> torch.Tensor:
     """A new float32 CPU vector of the trainable parameters in ``model.parameters()`` order (no buffers)."""
-    return to_host(torch.cat([p.detach().reshape(-1).float() for p in trainable_parameters(model)]))  # one copy (get_flat)
+    return torch.cat([p.detach().reshape(-1).float() for p in trainable_parameters(model)]).cpu()  # one copy (get_flat)
 
 
 def split_like(vector: torch.Tensor, params: list[torch.Tensor]) -> list[torch.Tensor]:
