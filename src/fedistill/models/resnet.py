@@ -41,6 +41,7 @@ from torch import nn
 from ..errors import ConfigError
 from ..registry import MODELS
 from .base import ClassifierModel, check_positive_ints
+from .pooling import global_average_pool
 
 
 def init_conv_bn(module: nn.Module) -> None:
@@ -67,6 +68,20 @@ def _shortcut(in_ch: int, out_ch: int, stride: int) -> nn.Module:
     )
 
 
+def relu_of_sum(out: torch.Tensor, shortcut: torch.Tensor) -> torch.Tensor:
+    """``relu(out + shortcut)``, written into ``out`` (a block's own BatchNorm output) where the dtypes agree.
+
+    The same values as the out-of-place expression: only fewer activation-sized buffers are written, which is
+    what these narrow networks' elementwise operators cost on a CPU (a 3 MB activation misses the core's cache:
+    benchmarks/RESULTS.md, "The pooling's gradient layout"). BatchNorm's backward reads its input, not its
+    output, so overwriting the output is safe for autograd (torchvision's blocks do the same). Where the dtypes
+    differ (an fp32 identity shortcut beside a bf16 autocast branch) the sum is promoted, as before, out of place.
+    """
+    if out.dtype == shortcut.dtype and out.shape == shortcut.shape:
+        return F.relu(out.add_(shortcut), inplace=True)
+    return F.relu(out + shortcut)
+
+
 class BasicBlock(nn.Module):
     """conv3x3 -> BN -> ReLU -> conv3x3 -> BN, plus the shortcut, then ReLU."""
 
@@ -81,9 +96,9 @@ class BasicBlock(nn.Module):
         self.shortcut = _shortcut(in_ch, out_ch, stride)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.relu(self.bn1(self.conv1(x)))
+        out = F.relu(self.bn1(self.conv1(x)), inplace=True)
         out = self.bn2(self.conv2(out))
-        return F.relu(out + self.shortcut(x))
+        return relu_of_sum(out, self.shortcut(x))
 
 
 class Bottleneck(nn.Module):
@@ -109,10 +124,10 @@ class Bottleneck(nn.Module):
         self.shortcut = _shortcut(in_ch, out_ch, stride)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.relu(self.bn1(self.conv1(x)))
-        out = F.relu(self.bn2(self.conv2(out)))
+        out = F.relu(self.bn1(self.conv1(x)), inplace=True)
+        out = F.relu(self.bn2(self.conv2(out)), inplace=True)
         out = self.bn3(self.conv3(out))
-        return F.relu(out + self.shortcut(x))
+        return relu_of_sum(out, self.shortcut(x))
 
 
 class ResNet(ClassifierModel):
@@ -172,7 +187,7 @@ class ResNet(ClassifierModel):
         return self.stages(self.stem(x))
 
     def extract(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.flatten(F.adaptive_avg_pool2d(self.feature_map(x), 1), 1)
+        return global_average_pool(self.feature_map(x))
 
 
 @MODELS.register("resnet8")

@@ -86,7 +86,8 @@ from torch import nn
 from ..registry import MODELS
 from .base import ClassifierModel, check_positive_ints
 from .mlp import MLP
-from .resnet import BasicBlock, conv3x3, init_conv_bn
+from .pooling import GlobalAveragePool
+from .resnet import BasicBlock, conv3x3, init_conv_bn, relu_of_sum
 
 #: The per-sample feature width of the image clients' extractor (the channels of ``H``).
 IMAGE_FEATURE_CHANNELS = 16
@@ -118,7 +119,7 @@ class TorchvisionBottleneck(nn.Module):
         self.bn2 = nn.BatchNorm2d(planes)
         self.conv3 = nn.Conv2d(planes, out_ch, kernel_size=1, bias=False)
         self.bn3 = nn.BatchNorm2d(out_ch)
-        self.relu = nn.ReLU()
+        self.relu = nn.ReLU(inplace=True)  # on this block's own BatchNorm outputs only (resnet.relu_of_sum)
         if stride != 1 or in_ch != out_ch:
             self.shortcut: nn.Module = nn.Sequential(
                 nn.Conv2d(in_ch, out_ch, kernel_size=1, stride=stride, bias=False),
@@ -131,11 +132,12 @@ class TorchvisionBottleneck(nn.Module):
         out = self.relu(self.bn1(self.conv1(x)))
         out = self.relu(self.bn2(self.conv2(out)))
         out = self.bn3(self.conv3(out))
-        return self.relu(out + self.shortcut(x))
+        return relu_of_sum(out, self.shortcut(x))
 
 
-def _pool_flatten() -> nn.Sequential:
-    return nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(1))
+def _pool_flatten() -> nn.Module:
+    """Global average pooling to ``(batch, channels)``, its gradient in the activations' layout (models/pooling.py)."""
+    return GlobalAveragePool()
 
 
 def _flat_shape(input_shape: Sequence[int]) -> Sequence[int]:
@@ -210,7 +212,7 @@ class FDResNetClient(SplitClassifier):
         super().__init__(input_shape, num_classes)
         in_ch, height, width = self.input_shape
         ch = IMAGE_FEATURE_CHANNELS
-        self.extractor = nn.Sequential(conv3x3(in_ch, ch), nn.BatchNorm2d(ch), nn.ReLU())
+        self.extractor = nn.Sequential(conv3x3(in_ch, ch), nn.BatchNorm2d(ch), nn.ReLU(inplace=True))
         self.feature_shape = (ch, height, width)
         if stage == "none":
             layers: nn.Module = nn.Identity()
