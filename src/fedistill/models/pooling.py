@@ -10,7 +10,7 @@ pooling's gradient layout"), a sixth of the client's training step.
 
 :func:`global_average_pool` computes the same forward (``adaptive_avg_pool2d`` itself) and the same gradient
 values, ``grad / (H·W)`` broadcast over the pooled positions: PyTorch's CPU kernel divides once by the
-window's size (checked in tests/test_models.py against the native backward, fp32 and bf16, both layouts), so
+window's size (checked in tests/test_pooling.py against the native backward, fp32 and bf16, both layouts), so
 only the gradient's layout changes, and with it nothing downstream (the ReLU's backward already returned a
 channels-last result). Every model is therefore trained bit for bit as before.
 """
