@@ -196,6 +196,31 @@ def test_jobs_run_the_runs_in_parallel_processes_with_the_serial_numbers(tiny, t
         reproduce(tiny, tmp_path / "parallel", rounds=2, seeds=[0], columns=["lda"], jobs=2, overrides=["local.lr=0.01"])
 
 
+def test_runs_go_seed_by_seed_so_a_stopped_reproduce_leaves_whole_seeds(tiny, tmp_path, monkeypatch):
+    """A claim whose runs outlast a session is stopped and continued: every column and method of seed s is
+    submitted before any run of seed s + 1, so the runs finished so far pair up into whole seeds."""
+    import fedistill.reproduce as reproduce_module
+
+    submitted = []
+
+    class Stopped(Exception):
+        pass
+
+    def record(runs, jobs, console, name, root):
+        submitted.extend(label for label, _cfg, _path in runs)
+        raise Stopped
+
+    monkeypatch.setattr(reproduce_module, "run_in_parallel", record)
+    with pytest.raises(Stopped):
+        reproduce(tiny, tmp_path, rounds=1, seeds=[0, 1, 2], methods=["FedAvg", "FedProx"], jobs=2)
+    seeds = [int(label.rsplit("seed ", 1)[1]) for label in submitted]
+    assert len(submitted) == 3 * 2 * 2 and seeds == sorted(seeds)  # 3 seeds x 2 columns x 2 methods
+    assert submitted[:4] == [
+        "digits LDA α=0.3 / FedAvg / seed 0", "digits LDA α=0.3 / FedProx / seed 0",
+        "digits iid / FedAvg / seed 0", "digits iid / FedProx / seed 0",
+    ]  # fmt: skip
+
+
 def test_every_shipped_preset_validates_for_every_run():
     from fedistill.reproduce import available_presets
 

@@ -293,9 +293,11 @@ def reproduce(
             raise ConfigError(f"reproduce {name}: {', '.join(bad)} not in preset {preset.name} (choose from: {', '.join(known)})")
     if preset.reference_method not in methods:
         methods = [preset.reference_method, *methods]  # speedups need the reference's curve
-    # Validate every configuration before the first run starts.
+    # Validate every configuration before the first run starts. Seed by seed: a reproduce stopped part way (a
+    # claim whose runs take longer than a session) leaves whole seeds, each with every column and method, and
+    # the claims over the seeds finished so far can be read from them.
     configs = {
-        (c, m, s): run_config(preset, c, m, s, rounds, overrides or []) for c in columns for m in methods for s in seeds
+        (c, m, s): run_config(preset, c, m, s, rounds, overrides or []) for s in seeds for c in columns for m in methods
     }
     root = Path(out_dir) / preset.name
     try:  # before the first run: a --out that is a file or cannot be created stops here, in one line
