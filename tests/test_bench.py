@@ -15,6 +15,7 @@ from conftest import child_processes, live_processes
 from fedistill.bench import available_suites, bench, best_bf16_peak, estimate_remaining, load_suite, suite_cells
 from fedistill.cli import main
 from fedistill.errors import ConfigError
+from fedistill.registry import ALGORITHMS
 
 TINY = {
     "name": "tiny-bench",
@@ -380,3 +381,90 @@ def test_the_bf16_peak_is_the_best_any_bench_of_the_directory_measured(tmp_path)
     assert best_bf16_peak(tmp_path, 90.0) == 90.0  # unreadable: the fresh measurement stands
     (tmp_path / "bf16_peak.json").write_text('{"bf16_peak_gflops_per_s": 414.0}')  # an old file's all-core reading
     assert best_bf16_peak(tmp_path, 205.0) == 205.0
+
+
+def _one_round_rows(name: str, digits, count: bool) -> tuple[list[dict], "torch.Tensor", list[int]]:
+    from fedistill.config import build_config
+    from fedistill.models.flat import get_flat
+    from fedistill.simulation import Simulation
+
+    cfg = build_config({"algorithm": {"name": name}, "rounds": 1, "clients_per_round": 3, "partition": {"num_clients": 6},
+                        "run": {"progress": False, "threads": 1, "workers": 1}})  # fmt: skip
+    simulation = Simulation(cfg, digits)
+    counted: list[int] = []
+    if count:
+        simulation.count_first_round = counted.append
+    try:
+        rows = simulation.run()
+        return rows, get_flat(simulation.server.model).clone(), counted
+    finally:
+        simulation.close()
+
+
+@pytest.mark.parametrize("name", sorted(ALGORITHMS))
+def test_every_method_trains_bit_for_bit_the_same_under_the_flop_counter(name, digits):
+    """The bench counts round 1 of a first-seed cell inside the run itself (engine/flops.py): the counter is a
+    dispatch mode that must only watch. For every registered method, round 1 with and without it leaves the
+    same global weights (to the bit) and the same metrics but the seconds, and the counted row is marked."""
+    import torch
+
+    assert len(ALGORITHMS.names()) >= 25  # the parametrisation saw every method, not an empty registry
+    plain_rows, plain_weights, none = _one_round_rows(name, digits, count=False)
+    counted_rows, counted_weights, counted = _one_round_rows(name, digits, count=True)
+    assert none == [] and len(counted) == 1 and counted[0] > 0
+    assert torch.equal(plain_weights, counted_weights), "the counter moved the weights"
+    plain, marked = plain_rows[0], counted_rows[0]
+    assert marked.pop("flops_counted") is True and "flops_counted" not in plain
+    untimed = lambda row: {k: v for k, v in row.items() if k != "seconds" and not k.endswith("_seconds")}  # noqa: E731
+    assert untimed(plain) == untimed(marked)
+
+
+def test_the_runs_own_round_one_is_counted_and_left_out_of_its_seconds(tmp_path):
+    """FedAvg with logistic regression on synthetic clients (the hand count of
+    test_round_flops_match_the_logistic_models_count_by_hand): a bench cell's first seed counts round 1 inside
+    the run, the same number as the one-round copy, and its s/round is round 2's seconds alone."""
+    from fedistill.bench import _run_cell, count_round_flops
+    from fedistill.config import build_config
+    from fedistill.reproduce import run_result
+    from fedistill.runs import read_saved
+
+    tree = build_config({
+        "dataset": {"name": "synthetic", "synthetic": {"max_samples": 100, "test_samples": 500}}, "rounds": 2,
+        "partition": {"scheme": "natural", "num_clients": 10}, "clients_per_round": 10,
+        "local": {"epochs": 1, "batch_size": 10, "momentum": 0.0}, "run": {"progress": False, "threads": 1, "workers": 1},
+    }).resolved_dict()  # fmt: skip
+    path = tmp_path / "cell"
+    _run_cell(tree, str(path), count_flops=True)
+    flops = json.loads((path / "flops.json").read_text())
+    assert flops["counted"] == "in the run"
+    assert flops["flops_per_round"] == count_round_flops(tree)["flops_per_round"]
+    _, rows, _ = read_saved(path)
+    assert [bool(r.get("flops_counted")) for r in rows] == [True, False]
+    result = run_result(build_config(tree), "s", "FedAvg", 0, rows, False)
+    assert result.seconds_per_round == rows[1]["seconds"]
+
+
+def test_a_counter_that_fails_inside_the_run_costs_the_cell_nothing(tmp_path, monkeypatch):
+    """If the counter cannot follow a method inside the run, the cell runs again without it and the
+    one-round copy counts (or records why not): the cell's numbers are the plain run's."""
+    import fedistill.engine.flops as flops_module
+    from fedistill.bench import _run_cell
+    from fedistill.config import build_config
+    from fedistill.runs import read_saved
+
+    tree = build_config({**{k: TINY["protocol"][k] for k in ("dataset", "partition", "local", "clients_per_round")},
+                         "rounds": 2, "run": {"progress": False, "threads": 1, "workers": 1}}).resolved_dict()  # fmt: skip
+    _run_cell(tree, str(tmp_path / "plain"))
+
+    def broken(work):
+        work()
+        raise RuntimeError("the counter cannot follow this method")
+
+    monkeypatch.setattr(flops_module, "counted_flops", broken)
+    _run_cell(tree, str(tmp_path / "counted"), count_flops=True)
+    _, plain, _ = read_saved(tmp_path / "plain")
+    _, rows, summary = read_saved(tmp_path / "counted")
+    assert summary["status"] == "finished" and len(rows) == 2 and not any(r.get("flops_counted") for r in rows)
+    assert [r["test_accuracy"] for r in rows] == [r["test_accuracy"] for r in plain]
+    flops = json.loads((tmp_path / "counted" / "flops.json").read_text())
+    assert flops["flops_per_round"] > 0 and "counted" not in flops  # the one-round copy's count

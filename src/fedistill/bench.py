@@ -33,6 +33,7 @@ from pydantic import Field
 
 from .errors import ConfigError
 from .bench_results import FLOPS_FILE, leaderboard_rows, suite_claim_rows, write_leaderboard
+from .engine.flops import counted_flops
 from .reproduce import ClaimSpec, ColumnSpec, StrictModel, method_dir_name, read_model_file
 
 __all__ = [
@@ -249,37 +250,19 @@ def count_round_flops(config_tree: dict[str, Any]) -> dict[str, Any]:
         simulation.close()
 
 
+def _counts_in_run(config_tree: dict[str, Any]) -> bool:
+    """Whether the run's own round 1 is the round :func:`count_round_flops` counts: evaluated (the one-round
+    copy always is) and trained in this process (the counter sees no worker process)."""
+    every = int(config_tree.get("eval", {}).get("every", 1))
+    one_process = str(config_tree.get("run", {}).get("workers", "auto")) == "1"
+    return one_process and (every == 1 or int(config_tree.get("rounds", 1)) == 1)
+
+
 def _has_flops(path: Path) -> bool:
     try:
         return json.loads((path / FLOPS_FILE).read_text()).get("flops_per_round") is not None
     except (OSError, ValueError, AttributeError):
         return False
-
-
-class _TotalOnly:
-    """Stands in for FlopCounterMode's module tracker, whose backward hooks make ``torch.autograd.grad`` on a
-    leaf fail ("A leaf node was passed to _will_engine_execute_node ...": DaFKD's gradient penalty); the
-    bench needs only the total, which the counter files under "Global"."""
-
-    parents = frozenset({"Global"})
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> bool:
-        return False
-
-
-def counted_flops(work) -> int:
-    """The floating-point operations ``work()`` runs, as torch.utils.flop_counter counts them (no per-module
-    breakdown, so that autograd.grad inside ``work`` is counted too)."""
-    from torch.utils.flop_counter import FlopCounterMode
-
-    counter = FlopCounterMode(display=False)
-    counter.mod_tracker = _TotalOnly()
-    with counter:
-        work()
-    return int(counter.get_total_flops())
 
 
 def measure_bf16_peak(threads: int, size: int = 2048, seconds: float = 1.0) -> float:
@@ -327,11 +310,28 @@ def best_bf16_peak(root: Path, measured: float, threads: int = 1) -> float:
 def _run_cell(config_tree: dict[str, Any], path: str, count_flops: bool = False) -> tuple[str, float]:
     """Run (or resume, or reuse) one cell; in a worker process with --jobs. Returns (path, seconds). With
     ``count_flops`` (the first seed of a (setting, method)) also counts one round's FLOPs into flops.json."""
+    import torch
+
     from .runs import ensure_run_quietly
 
+    def write_flops(flops: int) -> None:
+        (Path(path) / FLOPS_FILE).write_text(json.dumps({"flops_per_round": flops, "torch": torch.__version__, "counted": "in the run"}))
+
+    # Counted inside the run's own round 1 when that round is the one count_round_flops would count (it is
+    # evaluated): no second copy of the round. That round's seconds are then left out of the cell's s/round.
+    in_run = count_flops and not _has_flops(Path(path)) and _counts_in_run(config_tree)
     start = time.perf_counter()
     try:
-        ensure_run_quietly(config_tree, path)
+        try:
+            ensure_run_quietly(config_tree, path, write_flops if in_run else None)
+        except ConfigError:
+            raise
+        except Exception:
+            if not in_run or _has_flops(Path(path)):
+                raise  # not the counter's doing: round 1 was counted, or nothing was counted
+            # A counter that cannot follow the method must not cost the cell: the run starts again without it
+            # (round 1 left no checkpoint), and the one-round copy below records why the count is missing.
+            ensure_run_quietly(config_tree, path)
     except ConfigError as exc:
         # Refused while the run was set up (a model the method cannot split, ...): n/a with the reason, kept
         # so that later benches skip it; a configuration that changed is the user's to resolve, not n/a.

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from rich.console import Console
 from rich.markup import escape
@@ -88,8 +88,12 @@ def run_experiment(
     console: Console | None = None,
     allow_numeric_change: bool = False,
     quiet: bool = False,
+    count_first_round: Callable[[int], None] | None = None,
 ) -> dict[str, Any]:
     """Run ``cfg`` into a run directory (a new one unless resuming); returns the summary.
+
+    ``count_first_round``: called with round 1's FLOPs, counted while round 1 runs (the bench's first-seed
+    cells, engine/flops.py); a run resumed after round 1 never calls it.
 
     Everything a user can get wrong is checked before anything is written: the config (already validated),
     the worker and thread counts, the run directory's location, the dataset files, the partition and the
@@ -167,6 +171,7 @@ def run_experiment(
             board.flush()
 
     sim.on_round = on_round
+    sim.count_first_round = count_first_round
     try:
         with log:
             try:

@@ -65,8 +65,9 @@ def run_state(cfg, run_path: Path, command: str = "reproduce") -> str:
     return "partial"
 
 
-def ensure_run(cfg, run_path: Path, console) -> tuple[list[dict[str, Any]], bool]:
-    """Run, resume or reuse the run at ``run_path`` so that it has ``cfg.rounds`` rounds.
+def ensure_run(cfg, run_path: Path, console, count_first_round=None) -> tuple[list[dict[str, Any]], bool]:
+    """Run, resume or reuse the run at ``run_path`` so that it has ``cfg.rounds`` rounds (``count_first_round``:
+    called with round 1's FLOPs if round 1 runs here, :func:`fedistill.runner.run_experiment`).
 
     Returns its metric rows (at most ``cfg.rounds``) and whether it diverged; a diverged run is a result
     (the paper's "Failed"), not an error that stops the table.
@@ -74,14 +75,14 @@ def ensure_run(cfg, run_path: Path, console) -> tuple[list[dict[str, Any]], bool
     from .errors import TrainingDiverged
 
     try:
-        _run_to_the_end(cfg, run_path, console)
+        _run_to_the_end(cfg, run_path, console, count_first_round)
     except TrainingDiverged as exc:
         console.print(f"[yellow]{run_path}: {exc}[/]")
     _, rows, summary = read_saved(run_path)
     return rows[: cfg.rounds], summary.get("status") == "diverged"
 
 
-def _run_to_the_end(cfg, run_path: Path, console) -> None:
+def _run_to_the_end(cfg, run_path: Path, console, count_first_round=None) -> None:
     import shutil
 
     from .report.rundir import RunDirectory
@@ -92,21 +93,21 @@ def _run_to_the_end(cfg, run_path: Path, console) -> None:
         return
     if state == "partial":
         # Resumed from its checkpoint, or started again from round 1 if it died before the first one.
-        run_experiment(cfg, RunDirectory(run_path), resume=True, console=console)
+        run_experiment(cfg, RunDirectory(run_path), resume=True, console=console, count_first_round=count_first_round)
         return
     if run_path.exists():  # a directory without a config: nothing of a run was written yet
         shutil.rmtree(run_path)
     run_path.mkdir(parents=True)
-    run_experiment(cfg, RunDirectory(run_path), console=console)
+    run_experiment(cfg, RunDirectory(run_path), console=console, count_first_round=count_first_round)
 
 
-def ensure_run_quietly(config_tree: dict[str, Any], path: str) -> str:
+def ensure_run_quietly(config_tree: dict[str, Any], path: str, count_first_round=None) -> str:
     """:func:`ensure_run` from a config tree (in a worker process: picklable), its console discarded."""
     from rich.console import Console
 
     from .config import build_config
 
-    ensure_run(build_config(config_tree), Path(path), Console(file=io.StringIO(), width=120))
+    ensure_run(build_config(config_tree), Path(path), Console(file=io.StringIO(), width=120), count_first_round)
     return path
 
 

@@ -42,6 +42,9 @@ class RoundLoop:
     ) -> None:
         self.cfg = cfg
         self.on_round = on_round
+        # Called with round 1's FLOPs when set: :meth:`run` then runs round 1 under the FLOP counter (the
+        # bench's first-seed cells; engine/flops.py) and marks its row, whose seconds include the counter's cost.
+        self.count_first_round: Callable[[int], None] | None = None
         apply_process_settings(cfg)
         self.federation = federation or build_federation(cfg, dataset)
         fed = self.federation
@@ -154,13 +157,23 @@ class RoundLoop:
         tasks = [(cid, info, msg, store.load(cid)) for cid, msg in messages.items()]
         return dict(zip(messages, self.executor.evaluate(tasks)))
 
+    def _counted_round(self, rnd: int) -> dict[str, Any]:
+        from .flops import FLOPS_COUNTED_KEY, counted_flops
+
+        rows: list[dict[str, Any]] = []
+        self.server_runtime.next_row_marks[FLOPS_COUNTED_KEY] = True
+        flops = counted_flops(lambda: rows.append(self.run_round(rnd)))
+        assert self.count_first_round is not None
+        self.count_first_round(flops)
+        return rows[0]
+
     def run(self, resume: bool = False) -> list[dict[str, Any]]:
         """Run (or continue) to ``cfg.rounds``; returns the per-round metric rows."""
         if resume:
             self.restore()
         try:
             for rnd in range(self.state.round + 1, self.cfg.rounds + 1):
-                row = self.run_round(rnd)
+                row = self._counted_round(rnd) if rnd == 1 and self.count_first_round is not None else self.run_round(rnd)
                 if self.on_round:
                     self.on_round(row)
         except KeyboardInterrupt:

@@ -150,6 +150,9 @@ class ServerRuntime:
         )
         self.state = RunState()
         self._store_ready = False
+        # Marks for the next round's metric row, set by whoever runs the round (the FLOP-counted round's
+        # ``flops_counted``): recorded with the row itself, so a checkpoint and a resume keep them.
+        self.next_row_marks: dict[str, Any] = {}
         self.algorithm.init_server(self.server)
 
     def _server_model(self, cfg: Config, dataset: Dataset) -> torch.nn.Module:
@@ -350,6 +353,8 @@ class ServerRuntime:
         row["server_seconds"] = server_seconds
         row["eval_seconds"] = time.perf_counter() - eval_start
         row["seconds"] = time.perf_counter() - started
+        row.update(self.next_row_marks)
+        self.next_row_marks = {}
         self.state.round = rnd
         self.state.history.append(row)
         every = self.cfg.run.checkpoint_every
