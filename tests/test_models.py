@@ -227,10 +227,11 @@ def test_relu_after_pooling_is_bitwise_the_textbook_order(name, shape, precision
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("shape", [(3, 4, 8, 8), (2, 5, 7, 9), (1, 3, 2, 3)])
+@pytest.mark.parametrize("shape", [(3, 4, 8, 8), (2, 5, 7, 9), (1, 3, 2, 3), (2, 16, 28, 14), (3, 1, 4, 6), (2, 3, 6, 5)])
 def test_inference_pooling_equals_max_pool2d(shape, dtype):
-    """Without autograd the CNNs pool with maxima of strided sub-grids: the values of ``F.max_pool2d(x, 2)``
-    exactly, with odd edges dropped (floor), NaN propagated, ties and channels-last kept."""
+    """Without autograd the CNNs pool with pairwise maxima (two passes over memory-order halves on even sizes,
+    strided sub-grids elsewhere): the values of ``F.max_pool2d(x, 2)`` exactly, with odd edges dropped (floor),
+    NaN propagated, ties and channels-last kept, and a strided input (neither layout) pooled as well."""
     from fedistill.models.cnn import max_pool_2x2
 
     x = torch.randn(shape).to(dtype)
@@ -247,6 +248,9 @@ def test_inference_pooling_equals_max_pool2d(shape, dtype):
             assert got[-1, -1, 0, 0].isnan()
             if layout is torch.channels_last and shape[1] > 1:
                 assert got.is_contiguous(memory_format=torch.channels_last)  # the next conv gets its layout
+    strided = torch.stack([x, x], dim=-1)[..., 0]  # the same values, in neither memory order
+    with torch.no_grad():
+        assert torch.equal(max_pool_2x2(strided).nan_to_num(7.0), nn.functional.max_pool2d(x, 2).nan_to_num(7.0))
 
 
 def test_pooling_with_autograd_keeps_the_native_tie_rule():

@@ -31,18 +31,32 @@ from .base import ClassifierModel, check_min_size, check_positive_ints
 
 
 def max_pool_2x2(x: torch.Tensor) -> torch.Tensor:
-    """``F.max_pool2d(x, 2)``; without autograd on the CPU, the maximum of the four strided sub-grids.
+    """``F.max_pool2d(x, 2)``; without autograd on the CPU, pairwise maxima over strided views.
 
     The forwards that need no gradient (evaluation, the frozen teachers of FedNTD/FedLMD/FedAvg+KD, MOON's
     frozen models, the ensembles of the server-side methods) get the same values, bit for bit (max does not
-    round, NaN propagates either way, an odd edge row or column is dropped as ``max_pool2d`` floors), in about
-    half the time of the CPU kernel, which also writes an int64 index per output for a backward that never
-    comes (bf16 channels-last, 50x32x28x28: 0.34 vs 0.67 ms on one thread; benchmarks/RESULTS.md). With
-    autograd the native kernel stays: its backward's choice among tied maxima is the one the training results
-    and tests rely on, where ``torch.maximum`` would split the gradient of a tie.
+    round, NaN propagates either way, an odd edge row or column is dropped as ``max_pool2d`` floors). The CPU
+    kernel also writes an int64 index per output for a backward that never comes. On an even-sized batch in
+    memory order (channels-last or contiguous) the maximum is taken in two passes over contiguous halves: of
+    each pair of columns (adjacent in memory), then of each pair of rows; elsewhere of the four strided
+    sub-grids. Either way the window is max(max(x00, x01), max(x10, x11)). bf16 channels-last, one thread:
+    500x16x28x28 4.0 ms native, 4.3 four sub-grids, 1.25 two passes (benchmarks/RESULTS.md). With autograd
+    the native kernel stays: its backward's choice among tied maxima is the one the training results and
+    tests rely on, where ``torch.maximum`` would split the gradient of a tie.
     """
     if x.device.type != "cpu" or (torch.is_grad_enabled() and x.requires_grad):
         return F.max_pool2d(x, 2)
+    if x.dim() == 4 and x.shape[-2] % 2 == 0 and x.shape[-1] % 2 == 0:
+        n, c, h, w = x.shape
+        if x.is_contiguous(memory_format=torch.channels_last):
+            pixels = x.permute(0, 2, 3, 1).reshape(n, h, w // 2, 2 * c)  # a view: (n, h, w, c) in memory
+            columns = torch.maximum(pixels[..., :c], pixels[..., c:]).view(n, h // 2, w * c)  # rows 2i, 2i+1 side by side
+            rows = torch.maximum(columns[..., : w // 2 * c], columns[..., w // 2 * c :])
+            return rows.view(n, h // 2, w // 2, c).permute(0, 3, 1, 2)  # channels-last, as the input
+        if x.is_contiguous():
+            pixels = x.view(n, c, h, w // 2, 2)
+            columns = torch.maximum(pixels[..., 0], pixels[..., 1]).view(n, c, h // 2, w)
+            return torch.maximum(columns[..., : w // 2], columns[..., w // 2 :])
     h, w = x.shape[-2] // 2 * 2, x.shape[-1] // 2 * 2
     x = x[..., :h, :w]
     top = torch.maximum(x[..., 0::2, 0::2], x[..., 0::2, 1::2])
