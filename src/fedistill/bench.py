@@ -329,8 +329,8 @@ def _run_cell(config_tree: dict[str, Any], path: str, count_flops: bool = False)
         except Exception:
             if not in_run or _has_flops(Path(path)):
                 raise  # not the counter's doing: round 1 was counted, or nothing was counted
-            # A counter that cannot follow the method must not cost the cell: the run starts again without it
-            # (round 1 left no checkpoint), and the one-round copy below records why the count is missing.
+            # A counter that cannot follow the method must not cost the cell: the run continues without it (from
+            # its last checkpoint, or from round 1), and the one-round copy below records why the count is missing.
             ensure_run_quietly(config_tree, path)
     except ConfigError as exc:
         # Refused while the run was set up (a model the method cannot split, ...): n/a with the reason, kept

@@ -162,9 +162,9 @@ class RoundLoop:
 
         rows: list[dict[str, Any]] = []
         self.server_runtime.next_row_marks[FLOPS_COUNTED_KEY] = True
-        flops = counted_flops(lambda: rows.append(self.run_round(rnd)))
-        assert self.count_first_round is not None
-        self.count_first_round(flops)
+        count = self.count_first_round
+        assert count is not None  # run() calls this only when it is set
+        count(counted_flops(lambda: rows.append(self.run_round(rnd))))
         return rows[0]
 
     def run(self, resume: bool = False) -> list[dict[str, Any]]:
