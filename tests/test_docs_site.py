@@ -72,6 +72,10 @@ def test_claims_table_has_one_row_per_link_with_its_interval_ahead_count_and_ver
         ["mine", "x > y > z", "S", "final", "x > y", "+1.50 [-0.25, +3.25]", "2/3", "0.500", "inconclusive"],
         ["mine", "x > y > z", "S", "final", "y > z", "+1.50 [-0.25, +3.25]", "3/3", "0.500", "holds"],
     ]
+    # Read by `reproduce --status` before every planned seed finished: the verdict says so.
+    claims[0].update(seeds_finished=[0, 1, 2], seeds_planned=list(range(10)))
+    path.write_text(json.dumps(claims))
+    assert _table_rows(claims_table([("mine", path)]))[1][-1] == "holds (provisional: 3 of 10 planned seeds)"
 
 
 def test_the_notebook_splits_by_topic_newest_first():

@@ -254,3 +254,52 @@ def test_without_rounds_a_reduced_preset_runs_its_own_rounds_not_the_papers(tmp_
     run = tmp_path / "out" / "reduced" / "lda" / "FedAvg" / "seed0"
     assert len((run / "metrics.jsonl").read_text().splitlines()) == 2 and rows
     assert "over **2** rounds (the paper ran 50)" in (tmp_path / "out" / "reduced" / "table.md").read_text()
+
+
+def test_status_runs_nothing_and_reads_the_claims_over_the_seeds_finished(tmp_path, capsys):
+    """A 10-seed claim outlasts a session: --status says which runs finished and which are part way, tabulates the
+    seeds whose every run finished, marks the verdicts provisional and prints the command that continues."""
+    spec = {**TINY, "claims": [{"claim": "FedAvg > FedProx"}]}
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    preset, out = load_preset(str(path)), tmp_path / "out"
+    chosen = {"methods": ["FedAvg", "FedProx"], "columns": ["iid"]}
+    assert reproduce(preset, out, rounds=2, seeds=[0, 2], status=True, **chosen) == []  # nothing has run
+    assert "no seed has finished every run yet" in capsys.readouterr().out and not (out / "tiny" / "table.md").exists()
+    full = reproduce(preset, out, rounds=2, seeds=[0, 2], **chosen)
+    reproduce(preset, out, rounds=1, seeds=[1], **chosen)  # seed 1 stopped after round 1 of 2
+    root = out / "tiny" / "iid"
+    before = {p: p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+    capsys.readouterr()
+
+    code = main(["reproduce", str(path), "--rounds", "2", "--seeds", "0", "1", "2", "3", "--methods", "FedAvg,FedProx",
+                 "--columns", "iid", "--out", str(out), "--status"])  # fmt: skip
+    printed = " ".join(capsys.readouterr().out.split())
+    assert code == 0
+    assert {p: p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()} == before  # no run moved
+    assert not (root / "FedAvg" / "seed3").exists()
+    assert "seed 1 at round 1/2" in printed and "4 of 8 runs remain" in printed
+    continues = f"fedistill reproduce {path} --rounds 2 --seeds 0 1 2 3 --methods FedAvg,FedProx --columns iid --out {out}"
+    assert f"continue them with: {continues}" in printed
+    claim = json.loads((out / "tiny" / "claims.json").read_text())[0]
+    assert claim["seeds_finished"] == [0, 2] and claim["seeds_planned"] == [0, 1, 2, 3]
+    link = claim["links"][0]
+    assert link["n"] == 2 and sorted(link["a_values"]) == ["0", "2"]  # seed 1 (part way) and 3 (not started) left out
+    md = (out / "tiny" / "table.md").read_text()
+    assert "**Provisional**: seeds [0, 2] of the 4 planned" in md and continues in md
+    assert "(provisional: 2 of 4 planned seeds)" in md
+    # The finished seeds' table is the one a run of those seeds alone writes.
+    status_rows = reproduce(preset, out, rounds=2, seeds=[0, 1, 2, 3], status=True, **chosen)
+    assert [(r["method"], r["best_accuracy"], r["final_accuracy"]) for r in status_rows] == [
+        (r["method"], r["best_accuracy"], r["final_accuracy"]) for r in full
+    ]
+    # Every planned seed finished: the same verdict, no longer provisional.
+    reproduce(preset, out, rounds=2, seeds=[0, 1, 2, 3], **chosen)
+    capsys.readouterr()
+    reproduce(preset, out, rounds=2, seeds=[0, 1, 2, 3], status=True, **chosen)
+    printed = " ".join(capsys.readouterr().out.split())
+    assert "every run has finished" in printed and "provisional" not in printed
+    assert "Provisional" not in (out / "tiny" / "table.md").read_text()
+    # A --set that changes the runs' numbers is refused, as a run would refuse it.
+    with pytest.raises(ConfigError, match="another configuration"):
+        reproduce(preset, out, rounds=2, seeds=[0], status=True, overrides=["local.lr=0.01"], **chosen)

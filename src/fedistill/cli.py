@@ -11,6 +11,7 @@ import argparse
 import logging
 import os
 import sys
+import shlex
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -190,9 +191,12 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
     overrides = _data_overrides(args)
     # None when the flag is absent; an empty list (refused by reproduce) when it is given empty.
     split = lambda text: [t.strip() for t in text.split(",") if t.strip()] if text is not None else None  # noqa: E731
+    # --status prints the line that continues the runs: this very command without --status.
+    continue_command = shlex.join(["fedistill", *[a for a in args.argv if a != "--status"]])
     reproduce(
         preset, Path(args.out), rounds=args.rounds, seeds=args.seeds, methods=split(args.methods),
-        columns=split(args.columns), overrides=overrides, jobs=args.jobs,
+        columns=split(args.columns), overrides=overrides, jobs=args.jobs, status=args.status,
+        continue_command=continue_command,
     )  # fmt: skip
     return 0
 
@@ -357,6 +361,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data-dir", help="directory of the official dataset files [dataset.data_dir]")
     p.add_argument("--download", action="store_true", help="download missing official dataset files")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="override a key in every run, e.g. run.workers=2")
+    p.add_argument(
+        "--status", action="store_true",
+        help="run nothing: list the runs finished and part way, write the tables and claims over the seeds whose every "
+        "run has finished (provisional while seeds remain), and print the command that continues the rest",
+    )  # fmt: skip
 
     p = sub.add_parser("bench", help="run a suite (every method x settings x seeds on one protocol) and write its leaderboard")
     p.add_argument("suite", nargs="?", help="suite name (see `fedistill list`) or path to a suite YAML file; omit to list them")
@@ -390,6 +399,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # reproduce --status prints it back, less --status
     args.verbose, args.quiet = getattr(args, "verbose", 0), getattr(args, "quiet", 0)
     configure_logging(args.verbose, args.quiet)
     handlers = {
@@ -416,6 +426,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         hint = exc.hint if isinstance(exc, RunInterrupted) else "no run had started, so there is nothing to continue"
         if args.command in ("reproduce", "bench"):
             hint = f"run the same fedistill {args.command} command again to continue (finished runs are kept, the interrupted one resumes)"
+            if args.command == "reproduce":
+                hint += "; add --status to it to see where the runs stand and the claims over the seeds finished"
         print(f"{what}: {hint}", file=sys.stderr)
         return 143 if terminated else 130
     except BrokenPipeError:

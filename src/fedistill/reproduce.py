@@ -32,7 +32,7 @@ from .config import load_yaml
 from .config import bundled_configs, bundled_configs_dir, build_config, find_config  # noqa: F401  (re-exported)
 from .errors import ConfigError
 from .engine.flops import FLOPS_COUNTED_KEY
-from .runs import ensure_run, run_in_parallel
+from .runs import ensure_run, read_saved, run_in_parallel, run_state
 
 PRESET_DIR = "configs/reproduce"
 
@@ -256,9 +256,14 @@ def reproduce(
     overrides: list[str] | None = None,
     console=None,
     jobs: int = 1,
+    status: bool = False,
+    continue_command: str | None = None,
 ) -> list[dict[str, Any]]:
     """Run (or reuse) every selected run, ``jobs`` at a time (each a one-thread process, engine/cores.py
-    ``job_overrides``), then write and return the comparison table rows."""
+    ``job_overrides``), then write and return the comparison table rows.
+
+    ``status``: run nothing; report which runs have finished and write the tables and claims over the seeds whose
+    every run has (:func:`report_finished`), with ``continue_command`` as the line that continues the rest."""
     from .runner import make_console
 
     console = console or make_console(wide=True)
@@ -302,6 +307,8 @@ def reproduce(
         (c, m, s): run_config(preset, c, m, s, rounds, overrides or []) for s in seeds for c in columns for m in methods
     }
     root = Path(out_dir) / preset.name
+    if status:
+        return report_finished(preset, root, configs, rounds, seeds, columns, methods, console, continue_command)
     try:  # before the first run: a --out that is a file or cannot be created stops here, in one line
         root.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -311,18 +318,76 @@ def reproduce(
         run_in_parallel(todo, jobs, console, preset.name, root)
     results: dict[tuple[str, str, int], RunResult] = {}
     for (column, method, seed), cfg in configs.items():
-        run_path = root / column / method_dir_name(method) / f"seed{seed}"
+        run_path = _run_path(root, column, method, seed)
         console.print(f"[bold]{preset.name}[/]: {preset.columns[column].label} / {method} / seed {seed} -> {run_path}")
         rows, diverged = ensure_run(cfg, run_path, console)
         results[(column, method, seed)] = run_result(cfg, column, method, seed, rows, diverged)
+    return _tabulate(preset, results, root, rounds, seeds, columns, methods, console)
+
+
+def _tabulate(preset, results, root: Path, rounds: int, seeds: list[int], columns, methods, console,
+              planned: list[int] | None = None, provisional: str | None = None) -> list[dict[str, Any]]:
+    """The comparison table and the claims over ``seeds`` (of the ``planned`` ones: the claims are provisional
+    while fewer have finished), written under ``root`` and printed."""
     table = comparison_rows(preset, results, columns, methods, seeds, rounds)
     from .report.claims import claim_rows, print_claims
 
     claims = claim_rows(preset, results, columns, seeds)
-    write_tables(preset, table, root, rounds, seeds, claims)
+    for row in claims:  # in claims.json: a verdict over 3 of 10 planned seeds is not the 10-seed verdict
+        row["seeds_finished"], row["seeds_planned"] = list(seeds), list(planned or seeds)
+    write_tables(preset, table, root, rounds, seeds, claims, provisional)
     print_table(console, preset, table, rounds, seeds, root)
     print_claims(console, claims, root)
     return table
+
+
+def report_finished(preset, root: Path, configs, rounds: int, seeds: list[int], columns, methods, console,
+                    continue_command: str | None = None) -> list[dict[str, Any]]:
+    """``reproduce --status``: which of the selected runs have finished, which are part way (and at which round),
+    which have not started; then the tables and claims over the seeds whose every selected run has finished (the
+    runs go seed by seed, so a stopped claim leaves whole seeds), marked provisional while seeds remain. Nothing
+    runs; a run directory holding another configuration is refused as a run would refuse it."""
+    from .runner import print_rows
+
+    states: dict[tuple[str, str, int], str] = {}
+    rounds_done: dict[tuple[str, str, int], int] = {}
+    for key, cfg in configs.items():
+        path = _run_path(root, *key)
+        states[key] = run_state(cfg, path)
+        rounds_done[key] = len(read_saved(path)[1]) if states[key] == "partial" else 0
+    finished = [s for s in seeds if all(states[(c, m, s)] == "done" for c in columns for m in methods)]
+    remaining = [key for key, state in states.items() if state != "done"]
+    progress = {}
+    for column in columns:
+        for method in methods:
+            done = [s for s in seeds if states[(column, method, s)] == "done"]
+            part = [f"seed {s} at round {rounds_done[(column, method, s)]}/{rounds}" for s in seeds if states[(column, method, s)] == "partial"]
+            progress[f"{preset.columns[column].label} / {method}"] = [
+                f"{len(done)}/{len(seeds)}", ", ".join(map(str, done)) or "-", "; ".join(part) or "-"
+            ]  # fmt: skip
+    print_rows(console, f"{preset.name}: runs finished under {root}", ("run", "finished", "seeds", "part way"), progress)
+    command = continue_command or "the same fedistill reproduce command without --status"
+    left = f"{len(remaining)} of {len(states)} runs remain; continue them with: {command}" if remaining else "every run has finished"
+    console.print(left, highlight=False, markup=False)
+    if not finished:
+        console.print(f"no seed has finished every run yet: no table or claims written (seeds {seeds})", highlight=False)
+        return []
+    results = {}
+    for (column, method, seed), cfg in configs.items():
+        if seed in finished:
+            _, rows, summary = read_saved(_run_path(root, column, method, seed))
+            results[(column, method, seed)] = run_result(cfg, column, method, seed, rows[: cfg.rounds], summary.get("status") == "diverged")
+    provisional = None
+    if remaining:
+        provisional = (
+            f"**Provisional**: seeds {finished} of the {len(seeds)} planned ({seeds}) have finished every run; "
+            f"{len(remaining)} runs remain. Continue them with `{command}`."
+        )
+    return _tabulate(preset, results, root, rounds, finished, columns, methods, console, planned=seeds, provisional=provisional)
+
+
+def _run_path(root: Path, column: str, method: str, seed: int) -> Path:
+    return root / column / method_dir_name(method) / f"seed{seed}"
 
 
 def comparison_rows(preset, results, columns, methods, seeds, rounds) -> list[dict[str, Any]]:
@@ -399,9 +464,12 @@ def _published(row: dict[str, Any]) -> str:
     return f"{row['published_accuracy']:.2f}{speed}" + (f" {row['published_note']}" if row["published_note"] else "")
 
 
-def markdown_table(preset: Preset, rows: list[dict[str, Any]], rounds: int, seeds: list[int], claims: list[dict[str, Any]] | None = None) -> str:
+def markdown_table(preset: Preset, rows: list[dict[str, Any]], rounds: int, seeds: list[int], claims: list[dict[str, Any]] | None = None,
+                   provisional: str | None = None) -> str:
     out = io.StringIO()
     out.write(f"# {preset.title}\n\n{preset.source}\n\n")
+    if provisional:
+        out.write(provisional + "\n\n")
     out.write(
         f"Ours: best and final accuracy over **{rounds}** rounds (the paper ran {preset.paper_rounds}), seeds {seeds}; "
         "the accuracy is the global model's on the test set, or the clients' average on their own test splits where "
@@ -449,9 +517,10 @@ def markdown_table(preset: Preset, rows: list[dict[str, Any]], rounds: int, seed
     return out.getvalue()
 
 
-def write_tables(preset: Preset, rows: list[dict[str, Any]], root: Path, rounds: int, seeds: list[int], claims: list[dict[str, Any]] | None = None) -> None:
+def write_tables(preset: Preset, rows: list[dict[str, Any]], root: Path, rounds: int, seeds: list[int], claims: list[dict[str, Any]] | None = None,
+                 provisional: str | None = None) -> None:
     root.mkdir(parents=True, exist_ok=True)
-    (root / "table.md").write_text(markdown_table(preset, rows, rounds, seeds, claims))
+    (root / "table.md").write_text(markdown_table(preset, rows, rounds, seeds, claims, provisional))
     if claims:
         from .report.claims import claims_records
 

@@ -379,8 +379,17 @@ def claim_cells(row: dict[str, Any]) -> dict[str, str]:
         f"{link.interval.n} ({seeds_on_the_claimed_side(link, row['margin'])}{wilcoxon_text(link)})" for link in row["links"]
     )
     left_out = sorted({entry for link in row["links"] for entry in link.left_out})
-    verdict = row["verdict"] + (f" (left out: {'; '.join(left_out)})" if left_out else "")
+    verdict = row["verdict"] + provisional_text(row) + (f" (left out: {'; '.join(left_out)})" if left_out else "")
     return {"values": values, "difference": diffs, "seeds": seeds, "verdict": verdict}
+
+
+def provisional_text(row: dict[str, Any]) -> str:
+    """' (provisional: 3 of 10 planned seeds)' for a claim read before all its planned seeds finished
+    (``reproduce --status``), '' otherwise: the number of seeds is part of a claim's design."""
+    finished, planned = row.get("seeds_finished"), row.get("seeds_planned")
+    if finished is None or planned is None or len(finished) >= len(planned):
+        return ""
+    return f" (provisional: {len(finished)} of {len(planned)} planned seeds)"
 
 
 def claims_markdown(rows: Sequence[dict[str, Any]]) -> str:

@@ -201,11 +201,13 @@ def method_page(name: str, root: Path) -> str:
     else:
         lines += ["Not in a published leaderboard yet."]
     lines += ["", "## Claims", ""]
+    from .claims import provisional_text
+
     claims = claims_naming(name, sorted((root / "benchmarks").glob("**/claims.json")))
     if claims:
         lines += ["| source | claim | setting | metric | verdict |", "|---|---|---|---|---|"]
         lines += [
-            f"| {src} | {markdown_cell(c['claim'])} | {markdown_cell(c.get('setting', ''))} | {c.get('metric', '')} | {c.get('verdict', '')} |"
+            f"| {src} | {markdown_cell(c['claim'])} | {markdown_cell(c.get('setting', ''))} | {c.get('metric', '')} | {c.get('verdict', '')}{provisional_text(c)} |"
             for src, c in claims
         ]
     else:

@@ -14,6 +14,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from .claims import provisional_text
 from .method_pages import markdown_cell
 
 # Topic of a RESULTS.md section, by the first keyword its heading contains (checked in this order).
@@ -55,7 +56,7 @@ def claims_table(claims_files: list[tuple[str, Path]]) -> str:
                 lines.append(
                     f"| {markdown_cell(source)} | {markdown_cell(claim['claim'])} | {markdown_cell(claim.get('setting', ''))} | "
                     f"{markdown_cell(claim.get('metric', ''))} | {markdown_cell(link['a'])} {link.get('relation', '')} {markdown_cell(link['b'])} | "
-                    f"{interval} | {ahead} | {p} | {markdown_cell(link.get('verdict', claim.get('verdict', '')))} |"
+                    f"{interval} | {ahead} | {p} | {markdown_cell(link.get('verdict', claim.get('verdict', '')) + provisional_text(claim))} |"
                 )
     return "\n".join(lines) + "\n"
 
