@@ -17,9 +17,6 @@ prints 1.00× there; we print "n/r", not reached).
 from __future__ import annotations
 
 import copy
-import csv
-import io
-import json
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +29,7 @@ from .config import load_yaml
 from .config import bundled_configs, bundled_configs_dir, build_config, find_config  # noqa: F401  (re-exported)
 from .errors import ConfigError
 from .engine.flops import FLOPS_COUNTED_KEY
+from .reproduce_tables import print_table, write_tables
 from .runs import ensure_run, read_saved, run_in_parallel, run_state
 
 PRESET_DIR = "configs/reproduce"
@@ -318,14 +316,14 @@ def reproduce(
         run_in_parallel(todo, jobs, console, preset.name, root)
     results: dict[tuple[str, str, int], RunResult] = {}
     for (column, method, seed), cfg in configs.items():
-        run_path = _run_path(root, column, method, seed)
+        run_path = run_directory(root, column, method, seed)
         console.print(f"[bold]{preset.name}[/]: {preset.columns[column].label} / {method} / seed {seed} -> {run_path}")
         rows, diverged = ensure_run(cfg, run_path, console)
         results[(column, method, seed)] = run_result(cfg, column, method, seed, rows, diverged)
-    return _tabulate(preset, results, root, rounds, seeds, columns, methods, console)
+    return tabulate_runs(preset, results, root, rounds, seeds, columns, methods, console)
 
 
-def _tabulate(preset, results, root: Path, rounds: int, seeds: list[int], columns, methods, console,
+def tabulate_runs(preset, results, root: Path, rounds: int, seeds: list[int], columns, methods, console,
               planned: list[int] | None = None, provisional: str | None = None) -> list[dict[str, Any]]:
     """The comparison table and the claims over ``seeds`` (of the ``planned`` ones: the claims are provisional
     while fewer have finished), written under ``root`` and printed."""
@@ -352,7 +350,7 @@ def report_finished(preset, root: Path, configs, rounds: int, seeds: list[int], 
     states: dict[tuple[str, str, int], str] = {}
     rounds_done: dict[tuple[str, str, int], int] = {}
     for key, cfg in configs.items():
-        path = _run_path(root, *key)
+        path = run_directory(root, *key)
         states[key] = run_state(cfg, path)
         rounds_done[key] = len(read_saved(path)[1]) if states[key] == "partial" else 0
     finished = [s for s in seeds if all(states[(c, m, s)] == "done" for c in columns for m in methods)]
@@ -375,7 +373,7 @@ def report_finished(preset, root: Path, configs, rounds: int, seeds: list[int], 
     results = {}
     for (column, method, seed), cfg in configs.items():
         if seed in finished:
-            _, rows, summary = read_saved(_run_path(root, column, method, seed))
+            _, rows, summary = read_saved(run_directory(root, column, method, seed))
             results[(column, method, seed)] = run_result(cfg, column, method, seed, rows[: cfg.rounds], summary.get("status") == "diverged")
     provisional = None
     if remaining:
@@ -383,10 +381,11 @@ def report_finished(preset, root: Path, configs, rounds: int, seeds: list[int], 
             f"**Provisional**: seeds {finished} of the {len(seeds)} planned ({seeds}) have finished every run; "
             f"{len(remaining)} runs remain. Continue them with `{command}`."
         )
-    return _tabulate(preset, results, root, rounds, finished, columns, methods, console, planned=seeds, provisional=provisional)
+    return tabulate_runs(preset, results, root, rounds, finished, columns, methods, console, planned=seeds, provisional=provisional)
 
 
-def _run_path(root: Path, column: str, method: str, seed: int) -> Path:
+def run_directory(root: Path, column: str, method: str, seed: int) -> Path:
+    """Where reproduce keeps the run of (column, method, seed): ``<out>/<preset>/<column>/<method>/seed<s>``."""
     return root / column / method_dir_name(method) / f"seed{seed}"
 
 
@@ -439,114 +438,3 @@ def comparison_rows(preset, results, columns, methods, seeds, rounds) -> list[di
                 }
             )
     return rows
-
-
-def _acc(value: float | None, std: float | None = None) -> str:
-    """``91.23 ± 0.41`` (report.groups' format, one seed: the mean alone, no mean: ``-``)."""
-    from .report.groups import format_stat
-
-    return format_stat({"mean": value, "std": std})
-
-
-def _speedup(row: dict[str, Any]) -> str:
-    if row["failed"]:
-        return f"Failed ({row['failed']})"
-    if row["speedup"] is None:
-        return "n/r"
-    partial = "" if row["speedup_reached"].split("/")[0] == row["speedup_reached"].split("/")[1] else f" ({row['speedup_reached']} seeds)"
-    return f"{row['speedup']:.2f}×{partial}"
-
-
-def _published(row: dict[str, Any]) -> str:
-    if row["published_accuracy"] is None:
-        return row["published_note"] or "-"
-    speed = f" ({row['published_speedup']:.2f}×)" if row["published_speedup"] is not None else ""
-    return f"{row['published_accuracy']:.2f}{speed}" + (f" {row['published_note']}" if row["published_note"] else "")
-
-
-def markdown_table(preset: Preset, rows: list[dict[str, Any]], rounds: int, seeds: list[int], claims: list[dict[str, Any]] | None = None,
-                   provisional: str | None = None) -> str:
-    out = io.StringIO()
-    out.write(f"# {preset.title}\n\n{preset.source}\n\n")
-    if provisional:
-        out.write(provisional + "\n\n")
-    out.write(
-        f"Ours: best and final accuracy over **{rounds}** rounds (the paper ran {preset.paper_rounds}), seeds {seeds}; "
-        "the accuracy is the global model's on the test set, or the clients' average on their own test splits where "
-        "the partition has per-client test splits (eval.metric); "
-        f"speedup = rounds for {preset.reference_method} to reach its best / rounds for the method to reach it "
-        "(n/r = not reached; the paper prints 1.00× there).\n\n"
-    )
-    for note in preset.notes:
-        out.write(f"- {note}\n")
-    if preset.notes:
-        out.write("\n")
-    if claims:
-        from .report.claims import claims_markdown
-
-        out.write(
-            "## Claims\n\nEach claim paired over the seeds both methods ran (same seed, same partition): the mean "
-            "difference with its 95 % t-interval; holds = the interval excludes 0 in the claimed direction (for "
-            "'~': lies within the margin), does not hold = it excludes 0 the other way (for '~': lies outside the "
-            "margin), inconclusive otherwise.\n\n"
-        )
-        out.write(claims_markdown(claims) + "\n")
-    for column in dict.fromkeys(r["column"] for r in rows):
-        part = [r for r in rows if r["column"] == column]
-        out.write(f"## {part[0]['setting']}\n\n")
-        out.write(
-            f"| method | ours: best acc % | ours: final acc % | ours: speedup | paper: acc % (speedup) | Δ acc | s/round "
-            f"| × {preset.reference_method} | MB/round | × weight exchange |\n"
-        )
-        out.write("|---|---|---|---|---|---|---|---|---|---|\n")
-        for r in part:
-            delta = (
-                f"{r['best_accuracy'] - r['published_accuracy']:+.2f}"
-                if r["best_accuracy"] is not None and r["published_accuracy"] is not None
-                else "-"
-            )
-            secs = f"{r['seconds_per_round']:.2f}" if r["seconds_per_round"] else "-"
-            ratio = f"{r['seconds_vs_reference']:.2f}" if r["seconds_vs_reference"] else "-"
-            traffic = f"{r['bytes_per_round'] / 1e6:.3f}" if r["bytes_per_round"] is not None else "-"
-            versus = f"{r['bytes_vs_weight_exchange']:.4g}" if r["bytes_vs_weight_exchange"] is not None else "-"
-            out.write(
-                f"| {r['method']} | {_acc(r['best_accuracy'], r['best_accuracy_std'])} | {_acc(r['final_accuracy'])} | {_speedup(r)} "
-                f"| {_published(r)} | {delta} | {secs} | {ratio} | {traffic} | {versus} |\n"
-            )
-        out.write("\n")
-    return out.getvalue()
-
-
-def write_tables(preset: Preset, rows: list[dict[str, Any]], root: Path, rounds: int, seeds: list[int], claims: list[dict[str, Any]] | None = None,
-                 provisional: str | None = None) -> None:
-    root.mkdir(parents=True, exist_ok=True)
-    (root / "table.md").write_text(markdown_table(preset, rows, rounds, seeds, claims, provisional))
-    if claims:
-        from .report.claims import claims_records
-
-        (root / "claims.json").write_text(json.dumps(claims_records(claims), indent=1))
-    with open(root / "table.csv", "w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
-    (root / "table.json").write_text(json.dumps(rows, indent=1))
-
-
-def print_table(console, preset: Preset, rows: list[dict[str, Any]], rounds: int, seeds: list[int], root: Path) -> None:
-    from rich.table import Table
-
-    table = Table(title=f"{preset.title}: {rounds} rounds (paper {preset.paper_rounds}), seeds {seeds}", title_justify="left")
-    for col in ("setting", "method", "ours acc %", "ours speedup", "paper acc % (speedup)", "s/round", f"× {preset.reference_method}"):
-        table.add_column(col, justify="left" if col in ("setting", "method") else "right")
-    for r in rows:
-        table.add_row(
-            r["setting"],
-            r["method"],
-            _acc(r["best_accuracy"], r["best_accuracy_std"]),
-            _speedup(r),
-            _published(r),
-            f"{r['seconds_per_round']:.2f}" if r["seconds_per_round"] else "-",
-            f"{r['seconds_vs_reference']:.2f}" if r["seconds_vs_reference"] else "-",
-        )
-    console.print(table)
-    console.print(f"table: {root / 'table.md'} and {root / 'table.csv'}")
