@@ -10,8 +10,8 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import sys
 import shlex
+import sys
 from pathlib import Path
 from typing import Any, Sequence
 

@@ -324,7 +324,7 @@ def reproduce(
 
 
 def tabulate_runs(preset, results, root: Path, rounds: int, seeds: list[int], columns, methods, console,
-              planned: list[int] | None = None, provisional: str | None = None) -> list[dict[str, Any]]:
+                  planned: list[int] | None = None, provisional: str | None = None) -> list[dict[str, Any]]:
     """The comparison table and the claims over ``seeds`` (of the ``planned`` ones: the claims are provisional
     while fewer have finished), written under ``root`` and printed."""
     table = comparison_rows(preset, results, columns, methods, seeds, rounds)
