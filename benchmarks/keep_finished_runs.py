@@ -1,0 +1,76 @@
+"""Issue 42: keep the finished runs of a claim that takes longer than one session (or one machine), so that the
+next one continues it instead of starting again.
+
+A finished run is read back by ``fedistill reproduce`` from three small files of its directory: ``config.yaml``
+(checked against the preset, so a changed preset is refused), ``metrics.jsonl`` (one line per round) and
+``summary.json`` (``finished`` or ``diverged``); ``environment.json`` says where it ran. The checkpoint and the
+plots are left behind: a finished run is never resumed. This copies those files of every finished run under
+SOURCE to the same place under DEST, which works both ways:
+
+    # at the end of a session: the finished runs into the repository
+    python benchmarks/keep_finished_runs.py /work/repro10/dafkd_reduced_issue10 benchmarks/claims/runs/dafkd_reduced_issue10
+    # at the start of the next: back under --out, where reproduce counts them as done
+    python benchmarks/keep_finished_runs.py benchmarks/claims/runs/dafkd_reduced_issue10 /work/repro10/dafkd_reduced_issue10
+
+A run that DEST already holds finished is left as it is (its files must be the same as SOURCE's); a run DEST
+holds part way (an interrupted one, with a checkpoint) is replaced by the finished one of the same
+configuration; a DEST run of another configuration stops the copy.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+KEPT = ("config.yaml", "metrics.jsonl", "summary.json", "environment.json")
+
+
+def finished(run: Path) -> bool:
+    try:
+        status = json.loads((run / "summary.json").read_text()).get("status")
+    except (OSError, ValueError):
+        return False
+    return status in ("finished", "diverged") and (run / "config.yaml").is_file() and (run / "metrics.jsonl").is_file()
+
+
+def keep(source: Path, dest: Path) -> tuple[int, int, int]:
+    """(copied, already there, replaced part-way) run directories."""
+    copied = same = replaced = 0
+    for summary in sorted(source.rglob("summary.json")):
+        run = summary.parent
+        if not finished(run):
+            continue
+        target = dest / run.relative_to(source)
+        if (target / "config.yaml").is_file():
+            if (target / "config.yaml").read_text() != (run / "config.yaml").read_text():
+                raise SystemExit(f"{target} holds a run of another configuration than {run}; move one of them away")
+            if finished(target):
+                differ = [f for f in KEPT[:3] if (target / f).read_bytes() != (run / f).read_bytes()]
+                if differ:
+                    raise SystemExit(f"{target} and {run} are both finished but their {', '.join(differ)} differ")
+                same += 1
+                continue
+            shutil.rmtree(target)  # part way: the finished run of the same configuration supersedes it
+            replaced += 1
+        target.mkdir(parents=True, exist_ok=True)
+        for name in KEPT:
+            if (run / name).is_file():
+                shutil.copy2(run / name, target / name)
+        copied += 1
+    return copied, same, replaced
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) != 2:
+        raise SystemExit(__doc__)
+    source, dest = Path(argv[0]), Path(argv[1])
+    if not source.is_dir():
+        raise SystemExit(f"{source}: no such directory")
+    copied, same, replaced = keep(source, dest)
+    print(f"{copied} finished runs copied to {dest} ({replaced} of them over a part-way run), {same} already there")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
