@@ -303,3 +303,35 @@ def test_status_runs_nothing_and_reads_the_claims_over_the_seeds_finished(tmp_pa
     # A --set that changes the runs' numbers is refused, as a run would refuse it.
     with pytest.raises(ConfigError, match="another configuration"):
         reproduce(preset, out, rounds=2, seeds=[0], status=True, overrides=["local.lr=0.01"], **chosen)
+
+
+def test_a_finished_run_travels_as_three_files_and_is_reused_not_rerun(tmp_path, monkeypatch):
+    """A claim continued on another machine (benchmarks/keep_finished_runs.py): a finished run's config.yaml,
+    metrics.jsonl and summary.json, without checkpoint or plots, are a finished run to reproduce: the same table,
+    and nothing trains again."""
+    import shutil
+
+    import fedistill.runner as runner_module
+
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(TINY, sort_keys=False))
+    preset, chosen = load_preset(str(path)), {"methods": ["FedAvg", "FedProx"], "columns": ["iid"]}
+    first = reproduce(preset, tmp_path / "here", rounds=2, seeds=[0, 1], **chosen)
+    moved = tmp_path / "there"
+    for summary in (tmp_path / "here").rglob("summary.json"):
+        target = moved / summary.parent.relative_to(tmp_path / "here")
+        target.mkdir(parents=True)
+        for name in ("config.yaml", "metrics.jsonl", "summary.json"):
+            shutil.copy(summary.parent / name, target / name)
+    assert len(list(moved.rglob("summary.json"))) == 4 and not list(moved.rglob("checkpoint.pt"))
+
+    def no_training(*args, **kwargs):
+        raise AssertionError("a finished run was run again")
+
+    monkeypatch.setattr(runner_module, "run_experiment", no_training)
+    again = reproduce(preset, moved, rounds=2, seeds=[0, 1], **chosen)
+    assert [(r["method"], r["best_accuracy"], r["final_accuracy"]) for r in again] == [
+        (r["method"], r["best_accuracy"], r["final_accuracy"]) for r in first
+    ]
+    with pytest.raises(AssertionError, match="run again"):  # the stand-in is in place: a missing run would train
+        reproduce(preset, moved, rounds=2, seeds=[2], **chosen)
