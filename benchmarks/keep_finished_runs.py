@@ -8,9 +8,9 @@ plots are left behind: a finished run is never resumed. This copies those files 
 SOURCE to the same place under DEST, which works both ways:
 
     # at the end of a session: the finished runs into the repository
-    python benchmarks/keep_finished_runs.py /work/repro10/dafkd_reduced_issue10 benchmarks/claims/runs/dafkd_reduced_issue10
+    python benchmarks/keep_finished_runs.py /work/repro10/dafkd_reduced_issue10 benchmarks/claims/kept/dafkd_reduced_issue10
     # at the start of the next: back under --out, where reproduce counts them as done
-    python benchmarks/keep_finished_runs.py benchmarks/claims/runs/dafkd_reduced_issue10 /work/repro10/dafkd_reduced_issue10
+    python benchmarks/keep_finished_runs.py benchmarks/claims/kept/dafkd_reduced_issue10 /work/repro10/dafkd_reduced_issue10
 
 A run that DEST already holds finished is left as it is (its files must be the same as SOURCE's); a run DEST
 holds part way (an interrupted one, with a checkpoint) is replaced by the finished one of the same
