@@ -12,9 +12,11 @@ SOURCE to the same place under DEST, which works both ways:
     # at the start of the next: back under --out, where reproduce counts them as done
     python benchmarks/keep_finished_runs.py benchmarks/claims/kept/dafkd_reduced_issue10 /work/repro10/dafkd_reduced_issue10
 
-A run that DEST already holds finished is left as it is (its files must be the same as SOURCE's); a run DEST
-holds part way (an interrupted one, with a checkpoint) is replaced by the finished one of the same
-configuration; a DEST run of another configuration stops the copy.
+A run that DEST already holds finished is left as it is (its rounds and summary must be the same as SOURCE's); a
+run DEST holds part way (an interrupted one, with a checkpoint) is replaced by the finished one of the same
+configuration; a DEST run of another configuration stops the copy. Configurations are compared without the
+dataset's file settings (``data_dir``, ``download``, ``verify``), as reproduce compares them: the data may lie
+elsewhere on the other machine.
 """
 
 from __future__ import annotations
@@ -24,7 +26,22 @@ import shutil
 import sys
 from pathlib import Path
 
+import yaml
+
 KEPT = ("config.yaml", "metrics.jsonl", "summary.json", "environment.json")
+# Where the data files are, not what is computed: reproduce accepts a run made with the files elsewhere.
+FILE_SETTINGS = ("data_dir", "download", "verify")
+
+
+def same_configuration(a: Path, b: Path) -> bool:
+    """The two runs' config.yaml alike but for the dataset's file settings."""
+    trees = []
+    for run in (a, b):
+        tree = yaml.safe_load((run / "config.yaml").read_text()) or {}
+        for key in FILE_SETTINGS:
+            (tree.get("dataset") or {}).pop(key, None)
+        trees.append(tree)
+    return trees[0] == trees[1]
 
 
 def finished(run: Path) -> bool:
@@ -44,10 +61,10 @@ def keep(source: Path, dest: Path) -> tuple[int, int, int]:
             continue
         target = dest / run.relative_to(source)
         if (target / "config.yaml").is_file():
-            if (target / "config.yaml").read_text() != (run / "config.yaml").read_text():
+            if not same_configuration(target, run):
                 raise SystemExit(f"{target} holds a run of another configuration than {run}; move one of them away")
             if finished(target):
-                differ = [f for f in KEPT[:3] if (target / f).read_bytes() != (run / f).read_bytes()]
+                differ = [f for f in KEPT[1:3] if (target / f).read_bytes() != (run / f).read_bytes()]
                 if differ:
                     raise SystemExit(f"{target} and {run} are both finished but their {', '.join(differ)} differ")
                 same += 1
