@@ -12,44 +12,38 @@ SOURCE to the same place under DEST, which works both ways:
     # at the start of the next: back under --out, where reproduce counts them as done
     python benchmarks/keep_finished_runs.py benchmarks/claims/kept/dafkd_reduced_issue10 /work/repro10/dafkd_reduced_issue10
 
-A run that DEST already holds finished is left as it is (its rounds and summary must be the same as SOURCE's); a
-run DEST holds part way (an interrupted one, with a checkpoint) is replaced by the finished one of the same
-configuration; a DEST run of another configuration stops the copy. Configurations are compared without the
-dataset's file settings (``data_dir``, ``download``, ``verify``), as reproduce compares them: the data may lie
-elsewhere on the other machine.
+A run that DEST already holds finished is left as it is; a run DEST holds part way (an interrupted one, with a
+checkpoint) is replaced by the finished one of the same configuration; a DEST run of another configuration stops
+the copy. Configurations are compared as reproduce
+compares them (only the settings that decide the numbers: the data may lie elsewhere on the other machine).
 """
 
 from __future__ import annotations
 
-import json
 import shutil
 import sys
 from pathlib import Path
 
-import yaml
+from fedistill.errors import ConfigError
+from fedistill.runs import comparable_config, read_saved
 
 KEPT = ("config.yaml", "metrics.jsonl", "summary.json", "environment.json")
-# Where the data files are, not what is computed: reproduce accepts a run made with the files elsewhere.
-FILE_SETTINGS = ("data_dir", "download", "verify")
-
-
-def same_configuration(a: Path, b: Path) -> bool:
-    """The two runs' config.yaml alike but for the dataset's file settings."""
-    trees = []
-    for run in (a, b):
-        tree = yaml.safe_load((run / "config.yaml").read_text()) or {}
-        for key in FILE_SETTINGS:
-            (tree.get("dataset") or {}).pop(key, None)
-        trees.append(tree)
-    return trees[0] == trees[1]
 
 
 def finished(run: Path) -> bool:
+    """Finished (or diverged, also a result) as reproduce reads the run: its summary's status."""
     try:
-        status = json.loads((run / "summary.json").read_text()).get("status")
-    except (OSError, ValueError):
+        _, _, summary = read_saved(run)
+    except ConfigError:  # no metrics.jsonl or config.yaml: not a run reproduce could reuse
         return False
-    return status in ("finished", "diverged") and (run / "config.yaml").is_file() and (run / "metrics.jsonl").is_file()
+    return summary.get("status") in ("finished", "diverged")
+
+
+def same_configuration(a: Path, b: Path) -> bool:
+    """Reproduce's own comparison (fedistill.runs.comparable_config): the settings that decide the numbers, so
+    the dataset's file settings (``data_dir``: the data may lie elsewhere on the other machine) and ``run.*`` do
+    not count."""
+    return comparable_config(read_saved(a)[0]) == comparable_config(read_saved(b)[0])
 
 
 def keep(source: Path, dest: Path) -> tuple[int, int, int]:
@@ -63,10 +57,7 @@ def keep(source: Path, dest: Path) -> tuple[int, int, int]:
         if (target / "config.yaml").is_file():
             if not same_configuration(target, run):
                 raise SystemExit(f"{target} holds a run of another configuration than {run}; move one of them away")
-            if finished(target):
-                differ = [f for f in KEPT[1:3] if (target / f).read_bytes() != (run / f).read_bytes()]
-                if differ:
-                    raise SystemExit(f"{target} and {run} are both finished but their {', '.join(differ)} differ")
+            if finished(target):  # the same run (their seconds may differ: a rerun elsewhere); DEST's stays
                 same += 1
                 continue
             shutil.rmtree(target)  # part way: the finished run of the same configuration supersedes it
