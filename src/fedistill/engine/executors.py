@@ -204,6 +204,8 @@ def abandon_pool(pool: concurrent.futures.ProcessPoolExecutor) -> None:
     cells resume from their checkpoints): its workers are terminated, not waited for."""
     # CPython's record of the pool's worker processes (pid -> Process), read before shutdown clears it.
     workers = list((getattr(pool, "_processes", None) or {}).values())
+    # The pool's manager thread, also read before shutdown forgets it: see the join below.
+    manager = getattr(pool, "_executor_manager_thread", None)
     with uninterrupted():
         pool.shutdown(wait=False, cancel_futures=True)
     _quiet_resource_sharer_resets()
@@ -211,6 +213,12 @@ def abandon_pool(pool: concurrent.futures.ProcessPoolExecutor) -> None:
         process.terminate()
     for process in workers:
         process.join(timeout=10)
+    # Let the manager thread see its workers gone and close its wake-up pipe before we return. Otherwise the
+    # command can exit (143) while that thread is still closing the pipe, and CPython 3.11's exit hook
+    # (concurrent.futures.process._python_exit) writes to it as it closes: "OSError: Bad file descriptor" and a
+    # traceback after our clean "terminated: ..." line. 3.12 takes a lock there; 3.11 does not.
+    if manager is not None:
+        manager.join(timeout=10)
 
 
 @contextlib.contextmanager
