@@ -473,8 +473,8 @@ def test_an_abandoned_pool_has_closed_its_wake_up_pipe_before_the_command_exits(
         pool = concurrent.futures.ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn"))
         running = [pool.submit(time.sleep, 600) for _ in range(2)]
         deadline = time.monotonic() + 60
-        while not running[0].running():
-            assert time.monotonic() < deadline, "the workers did not start"
+        while not running[0].running():  # handed to the workers' call queue: the manager thread is at work
+            assert time.monotonic() < deadline, "the tasks never reached the workers' queue"
             time.sleep(0.05)
         manager, wakeup = pool._executor_manager_thread, pool._executor_manager_thread_wakeup
         abandon_pool(pool)
