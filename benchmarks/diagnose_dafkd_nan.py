@@ -52,15 +52,29 @@ def main(argv: list[str] | None = None) -> int:
     def watched_loss(real_logits, fake_logits):
         seen["real"] = real_logits.detach().float()
         seen["fake"] = fake_logits.detach().float()
-        return original_loss(real_logits, fake_logits)
+        value = original_loss(real_logits, fake_logits)
+        seen["adversarial"] = float(value.detach())
+        return value
 
     dafkd_module.discriminator_loss = watched_loss
+    original_penalty = dafkd_module.interpolation_gradient_penalty
+
+    def watched_penalty(score, real, fake, mix, weight):
+        value = original_penalty(score, real, fake, mix, weight)
+        seen["penalty"] = float(value.detach())
+        return value
+
+    dafkd_module.interpolation_gradient_penalty = watched_penalty
 
     def record(model, discriminator, loss):
         head = discriminator.head.weight.detach().float()
         weights = torch.cat([p.detach().float().flatten() for p in model.parameters()])
+        grads = [p.grad.detach().float().flatten() for p in model.parameters() if p.grad is not None]
         row = {
             "loss": float(loss),
+            "adversarial": seen.get("adversarial"),
+            "penalty": seen.get("penalty"),
+            "grad_norm": float(torch.cat(grads).norm()) if grads else None,
             "real_logit_max": float(seen["real"].abs().max()) if "real" in seen else None,
             "fake_logit_max": float(seen["fake"].abs().max()) if "fake" in seen else None,
             "feature_norm": seen.get("feature_norm"),

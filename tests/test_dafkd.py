@@ -279,13 +279,13 @@ def test_profiles_fill_unset_switches_and_explicit_values_win():
     assert (p.generator_output, p.distill_bn_mode) == ("data", "train")
     assert (p.client_optimizer, p.client_lr, p.client_weight_decay, p.distill_lr) == ("adam", 1e-4, 0.0, 1e-4)
     assert (p.generator_lr, p.generator_weight_decay) == (1e-4, 1e-4)
-    # The default: the code's switches, the clients on the run's local optimiser and the penalty on the logit.
+    # The default: the code's switches, the joint step on Adam at the paper's lr 1e-3 and the penalty on the logit.
     default = make_algorithm(small_config(**DAFKD)).params
     assert default.profile == "default"
     for name in DaFKDParams.model_fields:
-        if name not in ("profile", "client_optimizer", "client_lr", "client_weight_decay", "gradient_penalty_on"):
+        if name not in ("profile", "client_lr", "gradient_penalty_on"):
             assert getattr(default, name) == getattr(p, name), name
-    assert (default.client_optimizer, default.client_lr, default.client_weight_decay) == ("sgd", None, None)
+    assert (default.client_optimizer, default.client_lr, default.client_weight_decay) == ("adam", 1e-3, 0.0)
     assert default.gradient_penalty_on == "logit"
     paper = make_algorithm(small_config(**DAFKD, **{"algorithm.profile": "paper"})).params
     assert (paper.ensemble_space, paper.temperature, paper.kd_reduction) == ("probs", 1.0, "batchmean")
