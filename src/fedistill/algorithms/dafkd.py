@@ -22,10 +22,11 @@ generator in rounds 1-5, first 5 local epochs) with its interpolation gradient p
 norm); (3) the distillation inputs drawn and scored with generator and teachers in train mode, batch by batch
 (``distill_bn_mode: train``); (4) teachers mixed as logits, softmax at T = 20, KL mean over B·M; (5) Adam 1e-4
 on the clients (no weight decay on the classifier; the generator's 1e-4) and on the server. ``profile:
-default`` is ``code`` with the clients on the run's local optimiser (the paper-side choice did better at short
-local training: the code trains E = 20 epochs) and the gradient penalty on the logit ℓ_k instead of the code's
-sigmoid(ℓ_k) (``gradient_penalty_on``; under SGD the code's form runs away on a one-class client, issue 42). ``profile: paper`` is the card's earlier paper-side reading
-(probabilities at T = 1, GAN every round, eval mode, raw tanh, Adam 1e-2 on the server). Any switch set
+default`` is ``code`` with the clients' Adam at the paper's local lr 1e-3 (the code's 1e-4 barely trains at short
+local training; the code trains E = 20 epochs) and the gradient penalty on the logit ℓ_k instead of the code's
+sigmoid(ℓ_k) (``gradient_penalty_on``). Both changes are issue 42's: on the run's SGD with momentum, which the
+default used before, a client holding one or two classes diverges, and the code's penalty form makes it faster.
+``profile: paper`` is the card's earlier paper-side reading (probabilities at T = 1, GAN every round, eval mode, raw tanh, Adam 1e-2 on the server). Any switch set
 explicitly wins over the profile. benchmarks/RESULTS.md has the ablation, one point at a time.
 
 Other switches (card §5-6, Table 3): ``importance: uniform`` ("no correlation": α̂ = 1/K_t), ``discriminator:
@@ -44,8 +45,8 @@ privacy mode, so both sides generate the same inputs).
 
 The generator emits the run's image size: the card's 32×32 DCGAN when 28×28 data are resized to 32×32 as the
 card says (``dataset.resize: 32``, the DaFKD presets), a DCGAN with a 7-pixel first layer on raw 28×28 data.
-The default profile's clients train with the run's ``local`` optimiser, like every other method of a
-comparison (``profile: code`` or ``client_optimizer: adam`` with ``client_lr`` for the code's Adam 1e-4).
+The default profile's clients train with Adam at 1e-3 (``client_optimizer: sgd`` and ``client_lr: null`` for the
+run's ``local`` optimiser, ``profile: code`` for the code's Adam 1e-4).
 
 Length (over the ~500-line guide of ARCHITECTURE.md): one method per file next to its card (DESIGN.md): DaFKD's
 client GAN, server distillation, privacy variant and profiles.
