@@ -28,7 +28,8 @@ trains E = 20 epochs), and the gradient penalty on the logit ℓ_k instead of th
 (``gradient_penalty_on``). Both changes are issue 42's: on the run's SGD with momentum, which the default used
 for every step before, a client holding one or two classes diverges, and the code's penalty form makes it faster.
 ``profile: paper`` is the card's earlier paper-side reading (probabilities at T = 1, GAN every round, eval mode,
-raw tanh, Adam 1e-2 on the server). Any switch set explicitly wins over the profile. benchmarks/RESULTS.md has the ablation, one point at a time.
+raw tanh, Adam 1e-2 on the server). Any switch set explicitly wins over the profile. benchmarks/RESULTS.md has the
+ablation, one point at a time.
 
 Other switches (card §5-6, Table 3): ``importance: uniform`` ("no correlation": α̂ = 1/K_t), ``discriminator:
 separate`` ("no sharing"), ``freeze_student_bn_stats`` (the server's distillation leaves a BN model's real-data
@@ -439,18 +440,21 @@ class DaFKD(FedAvg):
         # The joint step's lr: client_lr (code profile: Adam 1e-4) under the run's lr decay, or the run's lr.
         lr = info.lr if p.client_lr is None else p.client_lr * info.lr / self.local.lr
         weight_decay = self.local.weight_decay if p.client_weight_decay is None else p.client_weight_decay
-        run_sgd = lambda: torch.optim.SGD(  # noqa: E731  (the run's local optimiser, as every other method's)
-            joint_params, lr=info.lr, momentum=self.local.momentum, weight_decay=self.local.weight_decay,
-            **fused(client.device),
-        )  # fmt: skip
-        if p.client_optimizer == "sgd":
-            adversarial_optimizer: torch.optim.Optimizer = torch.optim.SGD(
+
+        def sgd(lr: float, weight_decay: float) -> torch.optim.Optimizer:
+            return torch.optim.SGD(
                 joint_params, lr=lr, momentum=self.local.momentum, weight_decay=weight_decay, **fused(client.device)
             )
+
+        if p.client_optimizer == "sgd":
+            adversarial_optimizer: torch.optim.Optimizer = sgd(lr, weight_decay)
         else:
             adversarial_optimizer = torch.optim.Adam(joint_params, lr=lr, weight_decay=weight_decay, **fused(client.device))
-        # adam_gan: Adam only in the epochs whose loss has the discriminator's terms, the run's SGD in the CE-only ones.
-        plain_optimizer = adversarial_optimizer if p.client_optimizer != "adam_gan" else None
+        # adam_gan: Adam only in the epochs whose loss has the discriminator's terms; the CE-only ones on the run's
+        # local SGD, as every other method's clients (its state is made lazily: unused, it costs nothing).
+        plain_optimizer = adversarial_optimizer
+        if p.client_optimizer == "adam_gan":
+            plain_optimizer = sgd(info.lr, self.local.weight_decay)
         to_data = client_output_map(client)
         generator_params = list(generator.parameters())
         # The card's generator optimiser: Adam(0.5, 0.99), amsgrad; fresh each round on the local copy θ_k^g.
@@ -465,11 +469,7 @@ class DaFKD(FedAvg):
         seen = 0
         for epoch in range(self.local.epochs):
             gan_epoch = self._active(p.gan_epochs, epoch)
-            if train_d and gan_epoch:
-                optimizer = adversarial_optimizer
-            else:
-                plain_optimizer = plain_optimizer or run_sgd()
-                optimizer = plain_optimizer
+            optimizer = adversarial_optimizer if train_d and gan_epoch else plain_optimizer
             for x, y in client.data.epoch_batches(client.train_indices, self.local.batch_size, client.generator):
                 with autocast_context(client.precision, client.device):
                     features = model.extract(x)
