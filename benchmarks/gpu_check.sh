@@ -13,7 +13,7 @@
 #   loss-term graphs (issue 41, not in the default stages): "termprofile" profiles one round of FedAvg with graphs
 #   (partial batches captured and not) and of FedProx and FedNTD with graphs (their steps captured since issue 41);
 #   "methods" runs benchmarks/bench_gpu_methods.py (every method's round on the MNIST protocol, eager and graphs)
-#   within METHODS_BUDGET seconds.
+#   within METHODS_BUDGET seconds (METHODS=a,b: those registered names only).
 # RUN_SET adds settings to the kill-and-resume runs, e.g. RUN_SET="--set run.cuda_graphs=true".
 set -u
 DATA=${DATA:-../shared/data}
@@ -58,7 +58,7 @@ want termprofile && { stage "loss-term graphs: profile"
 grep -E "^###|round_wall_s|gpu_busy_share|kernel_launches|Error" "$OUT/term_profile.txt"; }
 
 want methods && { stage "every method on the MNIST protocol"
-timeout $(( ${METHODS_BUDGET:-200} + 90 )) $PY benchmarks/bench_gpu_methods.py --data-dir "$DATA" --budget-s "${METHODS_BUDGET:-200}" --json "$OUT/methods.json" > "$OUT/methods.txt" 2>&1
+timeout $(( ${METHODS_BUDGET:-200} + 90 )) $PY benchmarks/bench_gpu_methods.py --data-dir "$DATA" --budget-s "${METHODS_BUDGET:-200}" ${METHODS:+--methods "$METHODS"} --json "$OUT/methods.json" > "$OUT/methods.txt" 2>&1
 echo "exit $?"; cat "$OUT/methods.txt" | grep -v Warning | tail -n 32; }
 
 want resume && { stage "kill and resume"
