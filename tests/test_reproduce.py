@@ -145,6 +145,24 @@ def test_selections_that_would_misreport_the_table_are_refused_before_any_run(ti
     assert not (tmp_path / "tiny").exists()
 
 
+def test_a_method_parameter_goes_to_the_methods_that_have_it_and_not_to_the_reference(tiny, tmp_path):
+    """A variant of one method beside the reference: ``--set algorithm.mu=...`` reaches FedProx, not FedAvg (which
+    has no ``mu`` and used to stop the whole command), and a key that no selected method has is still refused."""
+    from fedistill.reproduce import method_overrides
+
+    lines: list[str] = []
+    console = type("Console", (), {"print": lambda self, line: lines.append(line)})()
+    taken = method_overrides(tiny, ["FedAvg", "FedProx"], ["lda"], ["algorithm.mu=0.3", "local.epochs=2"], console)
+    assert taken == {"FedAvg": ["local.epochs=2"], "FedProx": ["algorithm.mu=0.3", "local.epochs=2"]}
+    assert lines == ["--set algorithm.mu: applied to FedProx; not to FedAvg (no such parameter)"]
+    # The reference is added to --methods FedProx; its run is the plain one, FedProx's has mu = 0.3.
+    reproduce(tiny, tmp_path, rounds=1, methods=["FedProx"], columns=["lda"], overrides=["algorithm.mu=0.3"])
+    saved = lambda m: yaml.safe_load((tmp_path / "tiny" / "lda" / m / "seed0" / "config.yaml").read_text())  # noqa: E731
+    assert saved("FedProx")["algorithm"]["mu"] == 0.3 and "mu" not in saved("FedAvg")["algorithm"]
+    with pytest.raises(ConfigError, match="--set algorithm.importance: none of the selected methods .*'importance'"):
+        reproduce(tiny, tmp_path, rounds=1, methods=["FedProx"], columns=["lda"], overrides=["algorithm.importance=uniform"])
+
+
 def test_an_empty_methods_flag_is_not_every_method(tmp_path, capsys):
     path = tmp_path / "tiny.yaml"
     path.write_text(yaml.safe_dump(TINY, sort_keys=False))

@@ -186,6 +186,54 @@ def _override_keys(overrides: list[str] | dict[str, Any]) -> list[str]:
     return [str(o).split("=", 1)[0].strip() for o in overrides]
 
 
+def _algorithm_parameters(preset: Preset, method: str, columns: list[str]) -> set[str] | None:
+    """The parameters (``algorithm.KEY``) that ``method``'s algorithm accepts in every one of ``columns``; None when
+    its algorithm cannot be named here (an unknown name: :func:`run_config` then reports it)."""
+    from .registry import ALGORITHMS
+
+    spec = preset.methods[method]
+    accepted: set[str] | None = None
+    for column in columns:
+        tree = _merge(_merge(_merge(preset.base, preset.columns[column].config), spec.config), spec.per_column.get(column, {}))
+        algorithm = tree.get("algorithm", {})
+        name = algorithm if isinstance(algorithm, str) else algorithm.get("name")
+        try:
+            fields = set(ALGORITHMS.get(name, key="algorithm.name").Params.model_fields)
+        except ConfigError:
+            return None
+        accepted = fields if accepted is None else accepted & fields
+    return accepted
+
+
+def method_overrides(
+    preset: Preset, methods: list[str], columns: list[str], overrides: list[str], console=None
+) -> dict[str, list[str]]:
+    """Each method's ``--set`` values. A method parameter (``algorithm.KEY``) goes to the selected methods whose
+    algorithm has it, so that a variant of one method can be run beside the reference, whose algorithm (FedAvg)
+    has no such key; which methods took it is printed. Nobody having it is an error; every other key goes to
+    every method."""
+    taken: dict[str, list[str]] = {m: [] for m in methods}
+    parameters = {m: _algorithm_parameters(preset, m, columns) for m in methods}
+    for override, key in zip(overrides, _override_keys(overrides)):
+        parts = key.split(".")
+        if len(parts) != 2 or parts[0] != "algorithm" or parts[1] in ("name", "plus"):
+            for m in methods:
+                taken[m].append(override)
+            continue
+        takers = [m for m in methods if parameters[m] is None or parts[1] in parameters[m]]
+        if not takers:
+            raise ConfigError(
+                f"reproduce --set {key}: none of the selected methods ({', '.join(methods)}) has the parameter "
+                f"{parts[1]!r}; `fedistill list` and docs/methods.md list each method's parameters"
+            )
+        for m in takers:
+            taken[m].append(override)
+        if len(takers) < len(methods) and console is not None:
+            others = [m for m in methods if m not in takers]
+            console.print(f"--set {key}: applied to {', '.join(takers)}; not to {', '.join(others)} (no such parameter)")
+    return taken
+
+
 def run_config(preset: Preset, column: str, method: str, seed: int, rounds: int, overrides: list[str] | dict[str, Any]):
     """The validated Config of one (column, method, seed) run."""
     spec = preset.methods[method]
@@ -301,8 +349,9 @@ def reproduce(
     # Validate every configuration before the first run starts. Seed by seed: a reproduce stopped part way (a
     # claim whose runs take longer than a session) leaves whole seeds, each with every column and method, and
     # the claims over the seeds finished so far can be read from them.
+    per_method = method_overrides(preset, methods, columns, overrides or [], console)
     configs = {
-        (c, m, s): run_config(preset, c, m, s, rounds, overrides or []) for s in seeds for c in columns for m in methods
+        (c, m, s): run_config(preset, c, m, s, rounds, per_method[m]) for s in seeds for c in columns for m in methods
     }
     root = Path(out_dir) / preset.name
     if status:
