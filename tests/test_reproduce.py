@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import csv
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -161,6 +163,14 @@ def test_a_method_parameter_goes_to_the_methods_that_have_it_and_not_to_the_refe
     assert saved("FedProx")["algorithm"]["mu"] == 0.3 and "mu" not in saved("FedAvg")["algorithm"]
     with pytest.raises(ConfigError, match="--set algorithm.importance: none of the selected methods .*'importance'"):
         reproduce(tiny, tmp_path, rounds=1, methods=["FedProx"], columns=["lda"], overrides=["algorithm.importance=uniform"])
+    # In a fresh interpreter, as `fedistill reproduce` starts: no algorithm is registered until one is asked for.
+    fresh = subprocess.run(
+        [sys.executable, "-c", "import sys; from fedistill.reproduce import load_preset, method_overrides; "
+         "print(method_overrides(load_preset(sys.argv[1]), ['FedAvg', 'FedProx'], ['lda'], ['algorithm.mu=0.3']))",
+         str(tmp_path / "tiny.yaml")],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    assert fresh.stdout.strip() == "{'FedAvg': [], 'FedProx': ['algorithm.mu=0.3']}"
 
 
 def test_an_empty_methods_flag_is_not_every_method(tmp_path, capsys):

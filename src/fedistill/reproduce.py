@@ -189,6 +189,7 @@ def _override_keys(overrides: list[str] | dict[str, Any]) -> list[str]:
 def _algorithm_parameters(preset: Preset, method: str, columns: list[str]) -> set[str] | None:
     """The parameters (``algorithm.KEY``) that ``method``'s algorithm accepts in every one of ``columns``; None when
     its algorithm cannot be named here (an unknown name: :func:`run_config` then reports it)."""
+    from . import algorithms as _algorithms  # noqa: F401  (registers the algorithms: a fresh `reproduce` has none yet)
     from .registry import ALGORITHMS
 
     spec = preset.methods[method]
