@@ -150,7 +150,7 @@ def test_selections_that_would_misreport_the_table_are_refused_before_any_run(ti
 def test_a_method_parameter_goes_to_the_methods_that_have_it_and_not_to_the_reference(tiny, tmp_path):
     """A variant of one method beside the reference: ``--set algorithm.mu=...`` reaches FedProx, not FedAvg (which
     has no ``mu`` and used to stop the whole command), and a key that no selected method has is still refused."""
-    from fedistill.reproduce import method_overrides
+    from fedistill.reproduce import changed_by_set, method_overrides
 
     lines: list[str] = []
     console = type("Console", (), {"print": lambda self, line: lines.append(line)})()
@@ -161,6 +161,12 @@ def test_a_method_parameter_goes_to_the_methods_that_have_it_and_not_to_the_refe
     reproduce(tiny, tmp_path, rounds=1, methods=["FedProx"], columns=["lda"], overrides=["algorithm.mu=0.3"])
     saved = lambda m: yaml.safe_load((tmp_path / "tiny" / "lda" / m / "seed0" / "config.yaml").read_text())  # noqa: E731
     assert saved("FedProx")["algorithm"]["mu"] == 0.3 and "mu" not in saved("FedAvg")["algorithm"]
+    asked = ["partition.alpha=0.05", "dataset.data_dir=/data", "algorithm.mu=0.3"]
+    per_method = {"FedAvg": asked[:2], "FedProx": asked}
+    assert changed_by_set(asked, per_method) == ["partition.alpha=0.05", "algorithm.mu=0.3 (FedProx)"]  # where the data is: no change
+    # The table's setting labels are the preset's: table.md says what --set changed, and for which methods.
+    table = (tmp_path / "tiny" / "table.md").read_text()
+    assert "**Changed by `--set`** (the setting labels below are the preset's): `algorithm.mu=0.3 (FedProx)`." in table
     with pytest.raises(ConfigError, match="--set algorithm.importance: none of the selected methods .*'importance'"):
         reproduce(tiny, tmp_path, rounds=1, methods=["FedProx"], columns=["lda"], overrides=["algorithm.importance=uniform"])
     # In a fresh interpreter, as `fedistill reproduce` starts: no algorithm is registered until one is asked for.

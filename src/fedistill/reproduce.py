@@ -318,7 +318,8 @@ def reproduce(
 
     from .engine.cores import job_overrides
 
-    overrides = job_overrides("reproduce", jobs, overrides or [])
+    asked = list(overrides or [])  # the user's --set values, before the job settings below
+    overrides = job_overrides("reproduce", jobs, asked)
     if jobs > 1:
         overrides.append("run.progress=false")  # one line per finished run instead of interleaved bars
 
@@ -355,8 +356,9 @@ def reproduce(
         (c, m, s): run_config(preset, c, m, s, rounds, per_method[m]) for s in seeds for c in columns for m in methods
     }
     root = Path(out_dir) / preset.name
+    changed = changed_by_set(asked, per_method)
     if status:
-        return report_finished(preset, root, configs, rounds, seeds, columns, methods, console, continue_command)
+        return report_finished(preset, root, configs, rounds, seeds, columns, methods, console, continue_command, changed)
     try:  # before the first run: a --out that is a file or cannot be created stops here, in one line
         root.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -370,19 +372,42 @@ def reproduce(
         console.print(f"[bold]{preset.name}[/]: {preset.columns[column].label} / {method} / seed {seed} -> {run_path}")
         rows, diverged = ensure_run(cfg, run_path, console)
         results[(column, method, seed)] = run_result(cfg, column, method, seed, rows, diverged)
-    return tabulate_runs(preset, results, root, rounds, seeds, columns, methods, console)
+    return tabulate_runs(preset, results, root, rounds, seeds, columns, methods, console, changed=changed)
+
+
+# --set keys that say where the data is or how the run is shown, not what it computes: not listed as changes.
+NOT_A_CHANGE = ("dataset.data_dir", "dataset.download", "dataset.verify", "run.progress", "run.threads", "run.workers")
+
+
+def changed_by_set(asked: list[str], per_method: dict[str, list[str]]) -> list[str]:
+    """The user's ``--set`` values that change what the runs compute, each with the methods it reached unless it
+    reached all: the tables' setting labels are the preset's, so table.md and claims.json say what differs."""
+    changed = []
+    for override, key in zip(asked, _override_keys(asked)):
+        if key in NOT_A_CHANGE:
+            continue
+        takers = [m for m, values in per_method.items() if override in values]
+        changed.append(override if len(takers) == len(per_method) else f"{override} ({', '.join(takers)})")
+    return changed
 
 
 def tabulate_runs(preset, results, root: Path, rounds: int, seeds: list[int], columns, methods, console,
-                  planned: list[int] | None = None, provisional: str | None = None) -> list[dict[str, Any]]:
+                  planned: list[int] | None = None, provisional: str | None = None,
+                  changed: list[str] | None = None) -> list[dict[str, Any]]:
     """The comparison table and the claims over ``seeds`` (of the ``planned`` ones: the claims are provisional
-    while fewer have finished), written under ``root`` and printed."""
+    while fewer have finished), written under ``root`` and printed. ``changed``: the --set values the runs had
+    (:func:`changed_by_set`), stated above the tables and in each claim's record."""
     table = comparison_rows(preset, results, columns, methods, seeds, rounds)
     from .report.claims import claim_rows, print_claims
 
     claims = claim_rows(preset, results, columns, seeds)
     for row in claims:  # in claims.json: a verdict over 3 of 10 planned seeds is not the 10-seed verdict
         row["seeds_finished"], row["seeds_planned"] = list(seeds), list(planned or seeds)
+        row["changed_by_set"] = list(changed or [])
+    if changed:
+        line = "**Changed by `--set`** (the setting labels below are the preset's): " + ", ".join(f"`{c}`" for c in changed) + "."
+        provisional = f"{line}\n\n{provisional}" if provisional else line
+        console.print(f"changed by --set: {', '.join(changed)}", highlight=False, markup=False)
     write_tables(preset, table, root, rounds, seeds, claims, provisional)
     print_table(console, preset, table, rounds, seeds, root)
     print_claims(console, claims, root)
@@ -390,7 +415,7 @@ def tabulate_runs(preset, results, root: Path, rounds: int, seeds: list[int], co
 
 
 def report_finished(preset, root: Path, configs, rounds: int, seeds: list[int], columns, methods, console,
-                    continue_command: str | None = None) -> list[dict[str, Any]]:
+                    continue_command: str | None = None, changed: list[str] | None = None) -> list[dict[str, Any]]:
     """``reproduce --status``: which of the selected runs have finished, which are part way (and at which round),
     which have not started; then the tables and claims over the seeds whose every selected run has finished (the
     runs go seed by seed, so a stopped claim leaves whole seeds), marked provisional while seeds remain. Nothing
@@ -431,7 +456,8 @@ def report_finished(preset, root: Path, configs, rounds: int, seeds: list[int], 
             f"**Provisional**: seeds {finished} of the {len(seeds)} planned ({seeds}) have finished every run; "
             f"{len(remaining)} runs remain. Continue them with `{command}`."
         )
-    return tabulate_runs(preset, results, root, rounds, finished, columns, methods, console, planned=seeds, provisional=provisional)
+    return tabulate_runs(preset, results, root, rounds, finished, columns, methods, console, planned=seeds, provisional=provisional,
+                         changed=changed)
 
 
 def run_directory(root: Path, column: str, method: str, seed: int) -> Path:
