@@ -192,11 +192,9 @@ def _algorithm_parameters(preset: Preset, method: str, columns: list[str]) -> se
     from . import algorithms as _algorithms  # noqa: F401  (registers the algorithms: a fresh `reproduce` has none yet)
     from .registry import ALGORITHMS
 
-    spec = preset.methods[method]
     accepted: set[str] | None = None
     for column in columns:
-        tree = _merge(_merge(_merge(preset.base, preset.columns[column].config), spec.config), spec.per_column.get(column, {}))
-        algorithm = tree.get("algorithm", {})
+        algorithm = _method_tree(preset, column, method).get("algorithm", {})
         name = algorithm if isinstance(algorithm, str) else algorithm.get("name")
         try:
             fields = set(ALGORITHMS.get(name, key="algorithm.name").Params.model_fields)
@@ -235,12 +233,17 @@ def method_overrides(
     return taken
 
 
-def run_config(preset: Preset, column: str, method: str, seed: int, rounds: int, overrides: list[str] | dict[str, Any]):
-    """The validated Config of one (column, method, seed) run."""
+def _method_tree(preset: Preset, column: str, method: str) -> dict[str, Any]:
+    """One method's config tree in one column: the base, the column's, the method's, its per-column values."""
     spec = preset.methods[method]
     tree = _merge(preset.base, preset.columns[column].config)
     tree = _merge(tree, spec.config)
-    tree = _merge(tree, spec.per_column.get(column, {}))
+    return _merge(tree, spec.per_column.get(column, {}))
+
+
+def run_config(preset: Preset, column: str, method: str, seed: int, rounds: int, overrides: list[str] | dict[str, Any]):
+    """The validated Config of one (column, method, seed) run."""
+    tree = _method_tree(preset, column, method)
     tree["seed"] = seed
     tree["rounds"] = rounds
     try:
