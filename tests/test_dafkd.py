@@ -281,14 +281,14 @@ def test_profiles_fill_unset_switches_and_explicit_values_win():
     assert (p.generator_output, p.distill_bn_mode) == ("data", "train")
     assert (p.client_optimizer, p.client_lr, p.client_weight_decay, p.distill_lr) == ("adam", 1e-4, 0.0, 1e-4)
     assert (p.generator_lr, p.generator_weight_decay) == (1e-4, 1e-4)
-    # The default: the code's switches, the joint step on Adam 1e-3 while D trains (the run's SGD after) and the
+    # The default: the code's switches, the joint step on Adam 1e-4 while D trains (the run's SGD after) and the
     # penalty on the logit.
     default = make_algorithm(small_config(**DAFKD)).params
     assert default.profile == "default"
     for name in DaFKDParams.model_fields:
         if name not in ("profile", "client_optimizer", "client_lr", "gradient_penalty_on"):
             assert getattr(default, name) == getattr(p, name), name
-    assert (default.client_optimizer, default.client_lr, default.client_weight_decay) == ("adam_gan", 1e-3, 0.0)
+    assert (default.client_optimizer, default.client_lr, default.client_weight_decay) == ("adam_gan", 1e-4, 0.0)
     assert default.gradient_penalty_on == "logit"
     paper = make_algorithm(small_config(**DAFKD, **{"algorithm.profile": "paper"})).params
     assert (paper.ensemble_space, paper.temperature, paper.kd_reduction) == ("probs", 1.0, "batchmean")
@@ -467,6 +467,39 @@ def test_sgd_with_momentum_on_the_joint_step_runs_away_on_one_class_clients_and_
     assert max(largest["adam (default: the discriminator trains in every epoch here)"]) < 2, largest
 
 
+def test_adam_at_1e3_inflates_a_one_class_clients_logits_and_the_default_1e4_does_not(digits):
+    """Issue 42's round-5 NaN at Dirichlet α = 0.05 (Fashion-MNIST seed 1), on small data. A client that holds one
+    class drives its CE towards 0 by widening the logit margin, and its gradient vanishes as it does; SGD's steps
+    vanish with it, but Adam divides by the gradient's running scale, so each weight keeps moving by about its lr
+    per step and the margin keeps growing at a rate set by the lr. At Adam 1e-3 the uploads' logit spread (largest
+    max − min logit over real images) reached 79 and 962 in the failing run; the routed ensemble mixes the teachers'
+    logits linearly (Eq. 8, logit space), so the student is trained towards that scale, and the CE-only SGD of round
+    5 then diverged. Here: one round, the discriminator trained in every epoch, 15 epochs on single-digit clients;
+    the default's Adam 1e-4 (the authors' script's client lr) stays below 8, 1e-3 goes above 15."""
+    base = {
+        **DAFKD, **QUICK, "rounds": 1, "partition.scheme": "shards", "partition.alpha": None,
+        "partition.num_clients": 10, "partition.shards_per_client": 1, "local.epochs": 15,
+        "local.weight_decay": 0.0, "algorithm.gan_epochs": None, "algorithm.distill_epochs": 0,
+    }  # fmt: skip
+    spread: dict[str, list[float]] = {}
+    for name, overrides in {"default (Adam 1e-4)": {}, "Adam 1e-3": {"algorithm.client_lr": 1e-3}}.items():
+        sim = Simulation(small_config(**base, **overrides), digits)
+        assert sim.client_runtime.algorithm.params.client_optimizer == "adam_gan"
+        info = sim.round_info(1)
+        inputs, _ = next(sim.server_runtime.test_pipeline.test_batches(512))  # every digit
+        model = sim.server_runtime.server.model
+        spread[name] = []
+        for cid in range(4):  # clients 0-3: one digit each (the shards of sorted labels)
+            assert sim.federation.dataset.train_y[sim.federation.train_indices[cid]].unique().numel() == 1
+            set_flat(model, sim.client_runtime.update(cid, info, sim.server_runtime.broadcast(info, cid), {})["weights"])
+            model.eval()
+            with torch.no_grad():
+                logits = model(inputs).float()
+            spread[name].append(float((logits.max(1).values - logits.min(1).values).max()))
+    assert max(spread["default (Adam 1e-4)"]) < 8, spread
+    assert min(spread["Adam 1e-3"]) > 15, spread
+
+
 def test_default_penalty_is_on_the_logit_written_out():
     """Issue 42: with ℓ(x) = Σ W·x + c the logit's input gradient is W, so the default penalty is λ·(‖W‖_F − 1)²
     for every sample (the code's sigmoid form would scale the norm by f(1 − f) ≤ 1/4)."""
@@ -617,7 +650,7 @@ def test_adam_gan_is_adam_while_the_discriminator_trains_and_the_runs_sgd_after(
         info = sim.round_info(rnd)
         return sim.client_runtime.update(0, info, sim.server_runtime.broadcast(info, 0), {})["weights"]
 
-    assert torch.equal(update("adam_gan", None, 1), update("adam", None, 1))  # D trains: Adam 1e-3
+    assert torch.equal(update("adam_gan", None, 1), update("adam", None, 1))  # D trains: Adam at client_lr
     assert torch.equal(update("adam_gan", 1, 2), update("sgd", 1, 2))  # round 2, D done: the run's SGD
     assert not torch.equal(update("adam", 1, 2), update("sgd", 1, 2))  # the two optimisers do differ
 
