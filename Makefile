@@ -22,7 +22,7 @@ run: install
 	$(VENV)/bin/fedistill run --config configs/digits_fedavg.yaml
 
 # Two test processes with one torch thread each (tests/conftest.py): the small models of the tests use two
-# cores poorly inside one process; on two idle cores the suite takes about 8 minutes (1,303 tests; tests/test_cuda.py skips without CUDA).
+# cores poorly inside one process; on two idle cores the suite takes about 8 minutes (1,304 tests; tests/test_cuda.py skips without CUDA).
 test: install
 	$(PY) -m pytest -n 2
 
