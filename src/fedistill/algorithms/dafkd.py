@@ -148,12 +148,12 @@ PROFILES: dict[str, dict[str, Any]] = {
 # bounded by its lr whatever the gradient's scale, which is what contains this in the authors' code (with a
 # ResNet whose BatchNorm also bounds φ). Adam in every epoch (``adam``) is stable too, but at E = 2 it costs the
 # CE-only rounds 15-20 points on MNIST (seeds 0 and 1: 77.2 and 75.8 against 97.1 and 92.9 on the run's SGD);
-# the code's 1e-4 barely trains at all. ``client_optimizer: sgd`` keeps the earlier choice. Adam at 1e-3 (the paper's
+# the code's 1e-4 in every epoch barely trains at all. ``client_optimizer: sgd`` keeps the earlier choice. Adam at 1e-3 (the paper's
 # local lr, this default for a day) diverged later instead (Fashion-MNIST α = 0.05, seed 1, round 5): on a one- or
 # two-class client the CE's gradient vanishes as the logit margin grows, Adam divides it by its own running scale,
 # so each weight keeps moving by about the lr a step and the margin keeps growing (logit spread 79, then 962); the
-# logit-space ensemble hands that scale to the student. At 1e-4 the margin grows ten times slower (seeds 0-2 finite
-# there, MNIST α = 0.1 level with 1e-3).
+# logit-space ensemble hands that scale to the student. At 1e-4 the margin grows far slower (the teachers' largest
+# spread 10-40 in the same rounds; seeds 0-2 finite there, MNIST α = 0.1 within a point of 1e-3).
 # (2) The penalty on the logit ℓ_k (WGAN-GP's critic), not the code's sigmoid(ℓ_k): once the discriminator
 # saturates, ‖∇_x sigmoid(ℓ)‖ = sigmoid'(ℓ)·‖∇_x ℓ‖ falls towards 0, and (‖·‖ − 1)² then asks for a ‖∇_x ℓ‖ that
 # grows like 1/sigmoid'(ℓ): the shared features and ψ_k are pushed up together (Fashion-MNIST, Dirichlet α = 0.05,
@@ -171,7 +171,7 @@ class DaFKDParams(FedAvgParams):
     profile: Literal["default", "code", "paper"] = Field(
         "default",
         description="defaults of the unset switches below: the released code's (code), the paper's (paper), or "
-        "the code's with the clients on the run's local optimiser (default; card 18)",
+        "the code's with the changes of card ambiguities 9 and 18 (default)",
     )
     importance: Literal["discriminator", "uniform"] = Field(
         "discriminator", description="α̂ of Eq. 7, or 1/K_t (Table 3: no correlation)"
