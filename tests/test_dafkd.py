@@ -39,6 +39,14 @@ QUICK = {
     "algorithm.generator_width": 16,
 }
 
+# Issue 42's one-class clients on small data: 10 shards of the sorted digits, one per client, so clients 0-5 each
+# hold a single digit; one round of 15 epochs with the discriminator trained in every epoch and no server step.
+ONE_DIGIT_CLIENTS_ONE_ROUND = {
+    **DAFKD, **QUICK, "rounds": 1, "partition.scheme": "shards", "partition.alpha": None,
+    "partition.num_clients": 10, "partition.shards_per_client": 1, "local.epochs": 15,
+    "local.weight_decay": 0.0, "algorithm.gan_epochs": None, "algorithm.distill_epochs": 0,
+}  # fmt: skip
+
 
 def _round(sim, rnd, states=None):
     """Broadcast and run the clients of one round by hand; returns (info, {cid: reply}).
@@ -415,11 +423,7 @@ def test_code_penalty_on_the_sigmoid_runs_away_on_one_class_clients_under_sgd_an
     bias, and the joint SGD step then follows the discriminator's terms alone. With the code's penalty on
     f = sigmoid(ℓ) the shared extractor and ψ_k run away (weights 1e4-1e7 or non-finite here, within 90 steps);
     with the same penalty on the logit ℓ (the default) every weight stays near its start, as with no penalty."""
-    base = {
-        **DAFKD, **QUICK, **SGD_JOINT_STEP, "rounds": 1, "partition.scheme": "shards", "partition.alpha": None,
-        "partition.num_clients": 10, "partition.shards_per_client": 1, "local.epochs": 15, "local.lr": 0.03,
-        "local.weight_decay": 0.0, "algorithm.gan_epochs": None, "algorithm.distill_epochs": 0,
-    }  # fmt: skip
+    base = {**ONE_DIGIT_CLIENTS_ONE_ROUND, **SGD_JOINT_STEP, "local.lr": 0.03}
     largest: dict[str, list[float]] = {}
     for on in ("sigmoid", "logit"):
         sim = Simulation(small_config(**base, **{"algorithm.gradient_penalty_on": on}), digits)
@@ -442,11 +446,7 @@ def test_sgd_with_momentum_on_the_joint_step_runs_away_on_one_class_clients_and_
     generator catches up, the BCE's gradient scales with |φ|, SGD's step with the gradient, and momentum 0.9
     carries each overshoot on, so the weights ramp up and overflow. The same steps without momentum stay bounded,
     and so does the default profile's Adam (steps bounded by its lr whatever the gradient's scale; the code's)."""
-    base = {
-        **DAFKD, **QUICK, "rounds": 1, "partition.scheme": "shards", "partition.alpha": None,
-        "partition.num_clients": 10, "partition.shards_per_client": 1, "local.epochs": 15,
-        "local.weight_decay": 0.0, "algorithm.gan_epochs": None, "algorithm.distill_epochs": 0,
-    }  # fmt: skip
+    base = ONE_DIGIT_CLIENTS_ONE_ROUND
     runs = {
         "sgd, momentum 0.9": {**SGD_JOINT_STEP, "local.lr": 0.08, "local.momentum": 0.9},
         "sgd, no momentum": {**SGD_JOINT_STEP, "local.lr": 0.08, "local.momentum": 0.0},
@@ -476,11 +476,7 @@ def test_adam_at_1e3_inflates_a_one_class_clients_logits_and_the_default_1e4_doe
     logits linearly (Eq. 8, logit space), so the student is trained towards that scale, and the CE-only SGD of round
     5 then diverged. Here: one round, the discriminator trained in every epoch, 15 epochs on single-digit clients;
     the default's Adam 1e-4 (the authors' script's client lr) stays below 8, 1e-3 goes above 15."""
-    base = {
-        **DAFKD, **QUICK, "rounds": 1, "partition.scheme": "shards", "partition.alpha": None,
-        "partition.num_clients": 10, "partition.shards_per_client": 1, "local.epochs": 15,
-        "local.weight_decay": 0.0, "algorithm.gan_epochs": None, "algorithm.distill_epochs": 0,
-    }  # fmt: skip
+    base = ONE_DIGIT_CLIENTS_ONE_ROUND
     spread: dict[str, list[float]] = {}
     for name, overrides in {"default (Adam 1e-4)": {}, "Adam 1e-3": {"algorithm.client_lr": 1e-3}}.items():
         sim = Simulation(small_config(**base, **overrides), digits)
