@@ -19,12 +19,34 @@ import sys
 import torch
 
 from fedistill.config import build_config, parse_override, read_yaml
-from fedistill.models.flat import set_flat
+from fedistill.models.flat import get_flat, set_flat
 from fedistill.losses import domain_aware_teacher, domain_log_importance
 from fedistill.simulation import Simulation
 from fedistill.runner import load_dataset_for
 
 from diagnose_refiner import watch_refiner  # the refine wrapper, the summary and the JSON lines
+
+
+def dump_server_step(args, cfg, server, info, replies, cids) -> None:
+    """The state a DaFKD server step starts from, as one file: the aggregate ŵ (flat), the round-start generator
+    θ_g^t, the replies (weights, discriminator heads, generators, sample counts), the round and the config."""
+    from pathlib import Path
+
+    path = Path(args.dump_dir) / f"dafkd_step_seed{cfg.seed}_round{info.round}.pt"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(
+        {
+            "config": cfg.model_dump(mode="json"),
+            "round": info.round,
+            "lr": info.lr,
+            "cids": list(cids),
+            "aggregate": get_flat(server.model).clone(),
+            "server_state": {k: (v.clone() if torch.is_tensor(v) else v) for k, v in server.state.items()},
+            "replies": [{k: v for k, v in dict(r).items()} for r in replies],
+        },
+        path,
+    )
+    print(f"dumped round {info.round}'s server step to {path}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -34,6 +56,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--out", default=None)
+    parser.add_argument(
+        "--dump-rounds", type=int, nargs="*", default=[], metavar="R",
+        help="save the server step's inputs of these rounds (the aggregate, the uploads, the generator) under "
+        "--dump-dir, for replay_dafkd_step.py to try other server steps on them without replaying the clients",
+    )  # fmt: skip
+    parser.add_argument("--dump-dir", default=".")
     parser.add_argument(
         "--real-inputs", type=int, default=0, metavar="N",
         help="distil on the first N real training images (labels unused) instead of the generator's samples; "
@@ -55,6 +83,8 @@ def main(argv: list[str] | None = None) -> int:
         algorithm.server_distill_inputs = lambda server, rnd: real_inputs
 
     def before(server, info, replies, row, cids):
+        if info.round in args.dump_rounds:
+            dump_server_step(args, cfg, server, info, replies, cids)
         row["refined"] = algorithm.distils(info.round)  # the summary counts the rounds with a distillation
         if row["refined"]:
             x = algorithm.server_distill_inputs(server, info.round)

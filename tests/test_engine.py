@@ -151,3 +151,88 @@ def test_building_and_running_never_reseeds_the_global_generators(make_config, d
     for algorithm, extra in (("fedavg", {}), ("dafkd", quick), ("fedftg", {"algorithm.iterations": 1, "algorithm.generator_width": 16})):
         history = Simulation(make_config(rounds=2, **{"algorithm.name": algorithm}, **extra), digits).run()  # DaFKD distils from round 2
         assert len(history) == 2
+
+
+# -- issue 61: the server step's own effect and the collapse warning ---------------------------------------
+
+
+def test_a_server_refiners_step_is_measured_against_the_aggregate_it_started_from(make_config, digits):
+    """Every evaluated round of a method whose server changes ŵ after aggregation records ŵ's accuracy and the
+    step's change; the expected values come from evaluating a copy of ŵ taken inside the round by hand. A method
+    without such a step (FedAvg) records neither: its model is ŵ."""
+    from fedistill.engine.evaluation import evaluate
+    from fedistill.models.flat import set_flat
+
+    sim = Simulation(make_config(rounds=2, **{"algorithm.name": "fedavg"}), digits)
+    plain = sim.run_round(1)
+    assert "aggregate_accuracy" not in plain and "server_step_accuracy_change" not in plain
+
+    sim = Simulation(make_config(rounds=2, **{"algorithm.name": "fedavg"}), digits)
+    algorithm, runtime, kept = sim.algorithm, sim.server_runtime, {}
+
+    def refine(server, info, replies, cids):  # a server step that scales the last layer: changes predictions
+        kept[info.round] = get_flat(server.model)
+        with torch.no_grad():
+            list(server.model.parameters())[-2].mul_(-1.0)
+        return {}
+
+    algorithm.refine = refine
+    for rnd in (1, 2):
+        row = sim.run_round(rnd)
+        after = get_flat(runtime.server.model)
+        probe = runtime.server.model
+        set_flat(probe, kept[rnd])
+        expected = evaluate(probe, runtime.test_pipeline.test_batches(100), "fp32")
+        set_flat(probe, after)
+        assert row["aggregate_accuracy"] == pytest.approx(100.0 * expected.accuracy)
+        assert row["aggregate_loss"] == pytest.approx(expected.loss)
+        assert row["server_step_accuracy_change"] == pytest.approx(row["test_accuracy"] - 100.0 * expected.accuracy)
+        assert row["server_step_accuracy_change"] != 0.0  # the flipped layer must show
+        assert torch.equal(get_flat(runtime.server.model), after)  # the measurement leaves the refined model alone
+
+
+@pytest.mark.parametrize("culprit", ["server_step", "aggregate"])
+def test_a_round_thrown_to_chance_is_warned_about_naming_its_step_and_counted(make_config, digits, culprit, caplog):
+    """Issue 61's rule: accuracy within a point of 100/C after an earlier round 20 points above chance. The model
+    is zeroed (every logit 0: class 0, 27 of the 297 digits, 9.09 %) from round 3 on, by the server's step or in
+    the aggregate itself; the warning names that step, the row marks it and the summary counts both rounds.
+    A rule that looked at the model after the server's step only could not tell the two apart."""
+    import logging
+
+    sim = Simulation(make_config(rounds=4, **{"local.epochs": 2}), digits)
+    algorithm = sim.algorithm
+    real_aggregate = algorithm.aggregate
+
+    def aggregate(server, info, replies):
+        out = real_aggregate(server, info, replies)
+        if info.round >= 3:
+            with torch.no_grad():
+                for tensor in server.model.state_dict().values():
+                    if tensor.is_floating_point():
+                        tensor.zero_()
+            if culprit == "aggregate":
+                server.aggregate = get_flat(server.model)  # as if the clients' average itself were at chance
+        return out
+
+    algorithm.aggregate = aggregate
+    with caplog.at_level(logging.WARNING, logger="fedistill.engine"):
+        history = sim.run()
+    accuracies = [r["test_accuracy"] for r in history]
+    assert max(accuracies[:2]) >= 30.0 and accuracies[2:] == [pytest.approx(100 * 27 / 297)] * 2, accuracies
+    # Round 4's clients start from the zeroed model, which cannot train (every ReLU is dead): from then on
+    # the aggregate itself is at chance, whichever step zeroed it in round 3.
+    assert [r.get("collapse") for r in history] == [None, None, culprit, "aggregate"]
+    warnings = [m for m in caplog.messages if "collapsed to chance" in m]
+    assert len(warnings) == 2 and "round 3 " in warnings[0] and "round 4 " in warnings[1]
+    named = "the server's step" if culprit == "server_step" else "the clients' aggregate"
+    assert named in warnings[0] and "the clients' aggregate" in warnings[1], warnings
+    assert summarise(history, None)["collapsed_rounds"] == 2
+
+
+def test_a_model_that_never_rose_above_chance_is_not_called_collapsed(make_config, digits, caplog):
+    """At chance from the first round on (never 20 points above it): no warning, nothing counted."""
+    sim = Simulation(make_config(rounds=2, **{"local.lr": 1e-9}), digits)
+    history = sim.run()
+    assert all(r["test_accuracy"] < 30.0 for r in history)
+    assert not [m for m in caplog.messages if "collapsed" in m]
+    assert summarise(history, None)["collapsed_rounds"] == 0

@@ -166,6 +166,11 @@ class ServerContext:
     # maps them into the models' input space with it (DaFKD's code profile). Empty: unknown (DaFKD then refuses).
     input_mean: tuple[float, ...] = ()
     input_std: tuple[float, ...] = ()
+    # The round's aggregate ŵ as a flat vector, set by FedAvg-family aggregation before any server refiner
+    # changes the model (FedFTG, FedDF, DaFKD): the engine evaluates it to record what the server's own step
+    # did to accuracy and to tell which step threw a collapsed round to chance (issue 61). Transient: the
+    # engine clears it after each round, it is never checkpointed.
+    aggregate: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)

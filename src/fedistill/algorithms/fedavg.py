@@ -144,6 +144,7 @@ class FedAvg(Algorithm):
             full[~private] = new_global
             new_global = full
         set_flat(server.model, new_global)
+        server.aggregate = new_global.detach().clone()  # ŵ, before the refiner's step (engine: server-step metrics)
         self._broadcast_round = None
         # A server refiner (FedFTG) changes the new global model before the base method's server state is
         # updated, so that state refers to the model actually broadcast (spec/fedftg.md ambiguity 13).

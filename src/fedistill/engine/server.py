@@ -4,6 +4,7 @@ building, round hyperparameters, process settings, numerics)."""
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Mapping
@@ -18,7 +19,7 @@ from ..config import Config, resolved_config
 from ..data.dataset import Dataset
 from ..data.pipeline import TensorPipeline
 from ..errors import ConfigError, TrainingDiverged
-from ..models.flat import get_flat, num_flat
+from ..models.flat import get_flat, num_flat, set_flat
 from ..protocol import EVAL_PREFIX, Algorithm, Message, RoundInfo, ServerContext
 from .architectures import check_architectures
 from .checkpoint import (
@@ -283,6 +284,50 @@ class ServerRuntime:
         knobs = [f"local.lr (now {info.lr:g})"] + [f"{key} (now {value:g})" for key, value in own.items()]
         raise TrainingDiverged(f"round {rnd}: {what}; {where}. Lower {' or '.join(knobs)}, or check the data.")
 
+    def _server_step_metrics(self, aggregate: torch.Tensor | None, accuracy: float) -> dict[str, float]:
+        """The aggregate ŵ's test accuracy and loss and what the server's own step changed, for a method whose
+        server refines ŵ after aggregation (FedFTG, FedDF, DaFKD): ``server_step_accuracy_change`` = accuracy after
+        the step − accuracy of ŵ, so a step that takes points off shows in every round, at chance or not (issue 61).
+        Nothing where the round's model is ŵ itself (no refiner, or a refiner that left it unchanged)."""
+        model = self.server.model
+        if aggregate is None:
+            return {}
+        refined = get_flat(model)
+        if aggregate.shape != refined.shape or torch.equal(aggregate, refined):
+            return {}
+        set_flat(model, aggregate)
+        try:
+            aggregate_accuracy, aggregate_loss = self.evaluate_global()
+        finally:
+            set_flat(model, refined)  # bit for bit the refined model: the run goes on from it
+        return {
+            "aggregate_accuracy": aggregate_accuracy,
+            "aggregate_loss": aggregate_loss,
+            "server_step_accuracy_change": accuracy - aggregate_accuracy,
+        }
+
+    def _collapse(self, rnd: int, row: dict[str, Any]) -> dict[str, str]:
+        """Issue 61's collapse rule: the global model at chance (within a point of 100 / classes) after an earlier
+        round at least 20 points above it. Logs one warning naming the round and the step that threw it there:
+        the server's step when the aggregate ŵ was still above chance, else the clients' aggregate."""
+        chance = 100.0 / self.server.num_classes
+        accuracy = row["test_accuracy"]
+        if accuracy > chance + 1.0:
+            return {}
+        earlier = [r["test_accuracy"] for r in self.state.history if r.get("test_accuracy") is not None]
+        if not earlier or max(earlier) < chance + 20.0:
+            return {}
+        before = row.get("aggregate_accuracy")
+        if before is not None and before > chance + 1.0:
+            step, what = "server_step", f"the server's step (the clients' aggregate had {before:.2f} %)"
+        else:
+            step, what = "aggregate", "the clients' aggregate"
+        logging.getLogger("fedistill.engine").warning(
+            "round %d collapsed to chance: %.2f %% test accuracy (chance %.2f %%, best earlier round %.2f %%), thrown "
+            "there by %s", rnd, accuracy, chance, max(earlier), what,
+        )  # fmt: skip
+        return {"collapse": step}
+
     def complete_round(
         self,
         info: RoundInfo,
@@ -305,6 +350,7 @@ class ServerRuntime:
         # FedGen's generator): what the server spends beside the clients' training (issue 15 compares them).
         server_seconds = time.perf_counter() - aggregate_start
         rnd = info.round
+        aggregate, self.server.aggregate = self.server.aggregate, None  # ŵ before any server refiner's step
         if not bool(torch.isfinite(get_flat(self.server.model)).all()):
             self._diverged(rnd, info, f"the global model became non-finite (NaN/inf) {non_finite_step(replies)}")
         losses = [(float(r["train_loss"]), int(r.get("num_samples", 1))) for r in replies.values() if "train_loss" in r]
@@ -330,6 +376,8 @@ class ServerRuntime:
                 self._diverged(rnd, info, f"its test loss is {row['test_loss']} (non-finite logits)")
             row["prediction_counts"] = [int(v) for v in predictions]
             row["prediction_kl_uniform"] = kl_from_uniform(predictions)
+            row.update(self._server_step_metrics(aggregate, row["test_accuracy"]))
+            row.update(self._collapse(rnd, row))
             if self.algorithm.personal_model == "global" and self.client_test_indices is not None and not self.personal_on_clients:
                 offsets = getattr(self.client_test_indices, "offsets", None)  # contiguous ranges (synthetic)
                 if offsets is not None:

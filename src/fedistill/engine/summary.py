@@ -85,6 +85,8 @@ def summarise(history: list[dict[str, Any]], target: float | None, metric: str =
         "bytes_ratio_to_weight_exchange": bytes_total / weights_total if weights_total else None,
         "seconds": float(sum(r["seconds"] for r in history)),
         "mean_train_loss_last": history[-1]["train_loss"] if history else None,
+        # Rounds at chance after an earlier round 20 points above it (engine/server.py's collapse rule, issue 61).
+        "collapsed_rounds": sum(1 for r in history if r.get("collapse")),
     }
     personal = [r for r in history if r.get("personal_accuracy") is not None]
     if personal:

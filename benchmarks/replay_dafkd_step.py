@@ -1,0 +1,85 @@
+"""One DaFKD server step, replayed from a dump and tried with other settings (issue 61: the collapse at its step).
+
+``diagnose_dafkd.py --dump-rounds R --dump-dir DIR`` saves what round R's server step starts from: the clients'
+aggregate ŵ, the round-start generator and the uploads. This script rebuilds the run's server from the dumped
+config, runs the server step once per variant on exactly those inputs and prints, per variant, the test accuracy
+of ŵ and of the model after the step, the predicted-class histogram after it, and what the step was asked to
+learn: the teachers' target on the generated batch (its top class share and its batch-mean class distribution at
+T = 1, which a student that copies it also learns as a prior on real images).
+
+    PYTHONPATH=src:benchmarks python benchmarks/replay_dafkd_step.py DUMP.pt \\
+        --variant default: --variant probs:algorithm.ensemble_space=probs [--out rows.jsonl]
+
+A variant is ``NAME:KEY=VALUE[,KEY=VALUE...]`` with the keys of ``fedistill run --set``; an empty list is the
+dumped config itself. ``--precision fp32`` replays the step in fp32 instead of the run's bf16.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+from fedistill.config import build_config, parse_override
+from fedistill.models.flat import set_flat
+from fedistill.protocol import Message, RoundInfo
+from fedistill.runner import load_dataset_for
+from fedistill.simulation import Simulation
+
+
+def replay(dump: dict, overrides: list[str]) -> dict:
+    cfg = build_config(dump["config"], dict(parse_override(o) for o in overrides))
+    sim = Simulation(cfg, load_dataset_for(cfg))
+    runtime, algorithm = sim.server_runtime, sim.algorithm
+    server = runtime.server
+    set_flat(server.model, dump["aggregate"])
+    server.state.clear()
+    server.state.update({k: (v.clone() if torch.is_tensor(v) else v) for k, v in dump["server_state"].items()})
+    replies = [Message(r) for r in dump["replies"]]
+    info = RoundInfo(dump["round"], dump["lr"])
+    row: dict = {"round": dump["round"]}
+    row["acc_aggregate"], row["loss_aggregate"] = runtime.evaluate_global()
+    x = algorithm.server_distill_inputs(server, info.round)
+    target = algorithm.teacher_target(server, x, replies).exp()  # q at the run's T
+    row["target_top_class_share"] = float(torch.bincount(target.argmax(1), minlength=target.shape[1]).max()) / x.shape[0]
+    # What a student that matches q at T learns at T = 1: the batch-mean of softmax(T·log q) is its class prior.
+    t = algorithm.params.temperature
+    sharpened = torch.softmax(t * target.clamp_min(1e-30).log(), dim=1)
+    row["target_prior_at_t1"] = [round(float(v), 3) for v in sharpened.mean(0)]
+    metrics = algorithm.refine(server, info, replies, dump["cids"])
+    acc, loss, predictions = runtime.evaluate_global_with_predictions()  # predictions: the class histogram
+    histogram = torch.as_tensor(predictions).double()
+    row.update(acc_after=acc, loss_after=loss, predicted_class_share_after=round(float(histogram.max()) / float(histogram.sum()), 3))
+    row.update({k: v for k, v in metrics.items() if not k.endswith("seconds")})
+    sim.close()
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("dumps", nargs="+")
+    parser.add_argument("--variant", action="append", default=[], metavar="NAME:KEY=VALUE,...")
+    parser.add_argument("--precision", default=None, choices=["fp32", "bf16"])
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    variants = [v.partition(":") for v in (args.variant or ["dumped:"])]
+    rows = []
+    for path in args.dumps:
+        dump = torch.load(path, weights_only=False)
+        for name, _, spec in variants:
+            overrides = ["run.progress=false", "run.threads=1", *filter(None, spec.split(","))]
+            if args.precision:
+                overrides.append(f"run.precision={args.precision}")
+            row = {"dump": path, "variant": name, **replay(dump, overrides)}
+            rows.append(row)
+            print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}), flush=True)
+    if args.out:
+        with open(args.out, "a") as fh:
+            fh.writelines(json.dumps(r) + "\n" for r in rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
