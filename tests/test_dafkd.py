@@ -10,7 +10,7 @@ from conftest import assert_learns, assert_resume_is_exact, small_config
 
 from fedistill.algorithms.aggregate import aggregation_weights, weighted_mean
 from fedistill.algorithms.build import make_algorithm
-from fedistill.algorithms.dafkd import DISCRIMINATOR_KEY, GENERATOR_KEY, DaFKDParams, output_map
+from fedistill.algorithms.dafkd import DISCRIMINATOR_KEY, GENERATOR_KEY, DaFKDParams, distil, distillation_target, output_map
 from fedistill.simulation import Simulation
 from fedistill.errors import ConfigError
 from fedistill.losses import (
@@ -20,6 +20,7 @@ from fedistill.losses import (
     domain_log_importance,
     generator_adversarial_loss,
     interpolation_gradient_penalty,
+    prior_corrected_target,
 )
 from fedistill.models import build_model
 from fedistill.models.flat import get_flat, num_flat, set_flat
@@ -182,6 +183,46 @@ def test_distillation_changes_the_average_from_round_two(digits):
     assert metrics["dafkd_kd_loss"] >= 0 and metrics["dafkd_refine_seconds"] > 0
 
 
+def test_the_default_distils_the_mixture_with_the_aggregates_class_prior_written_out(digits, monkeypatch):
+    """Issue 61's default in the server's step: what ``distil`` receives is the mixture ``q`` times ``s̄_ŵ / q̄``,
+    renormalised, with ``s̄_ŵ`` the batch mean of ŵ's own ``softmax(z/T)`` on the generated inputs (written out
+    here), and that costs the model's BN buffers nothing."""
+    import fedistill.algorithms.dafkd as dafkd_module
+
+    sim = Simulation(small_config(**DAFKD, **QUICK), digits)
+    sim.run_round(1)
+    info, replies = _round(sim, 2)
+    ordered = [replies[c] for c in sorted(replies)]
+    algorithm, server = sim.algorithm, sim.server
+    seen = {}
+    real_distil = dafkd_module.distil
+
+    def capture(student, inputs, log_target, p, precision):
+        seen["inputs"], seen["target"] = inputs, log_target
+        seen["buffers"] = [b.clone() for b in student.buffers()]
+        seen["aggregate"] = get_flat(student)
+        return real_distil(student, inputs, log_target, p, precision)
+
+    monkeypatch.setattr(dafkd_module, "distil", capture)
+    algorithm.aggregate(server, info, replies)
+    model = server.model
+    set_flat(model, seen["aggregate"])
+    q = algorithm.teacher_target(server, seen["inputs"], ordered).exp()
+    t = algorithm.params.temperature
+    model.train()  # the distillation's mode (card ambiguity 8), BN buffers put back by hand after
+    saved = [b.clone() for b in model.buffers()]
+    with torch.no_grad():
+        s_hat = torch.cat([torch.softmax(model(seen["inputs"][i : i + 32]) / t, dim=1) for i in range(0, 64, 32)])
+        for b, v in zip(model.buffers(), saved):
+            b.copy_(v)
+    expected = q * (s_hat.mean(0) / q.mean(0))
+    expected = expected / expected.sum(1, keepdim=True)
+    assert torch.allclose(seen["target"], expected.log(), atol=1e-5)
+    change = float((expected.log() - q.log()).abs().max())
+    assert change > 2e-4, change  # 20x the tolerance above: the correction changes this target (T = 20: q_ic ≈ 1/10)
+    assert all(torch.equal(a, b) for a, b in zip(seen["buffers"], saved))
+
+
 def test_discriminator_heads_persist_per_client_and_differ_between_clients(digits):
     sim = Simulation(small_config(**DAFKD, **QUICK, rounds=1), digits)
     states: dict = {}
@@ -289,15 +330,17 @@ def test_profiles_fill_unset_switches_and_explicit_values_win():
     assert (p.generator_output, p.distill_bn_mode) == ("data", "train")
     assert (p.client_optimizer, p.client_lr, p.client_weight_decay, p.distill_lr) == ("adam", 1e-4, 0.0, 1e-4)
     assert (p.generator_lr, p.generator_weight_decay) == (1e-4, 1e-4)
-    # The default: the code's switches, the joint step on Adam 1e-4 while D trains (the run's SGD after) and the
-    # penalty on the logit.
+    assert p.target_prior == "teachers"
+    # The default: the code's switches, the joint step on Adam 1e-4 while D trains (the run's SGD after), the
+    # penalty on the logit and the aggregate's class prior in the server's target (issue 61).
     default = make_algorithm(small_config(**DAFKD)).params
     assert default.profile == "default"
     for name in DaFKDParams.model_fields:
-        if name not in ("profile", "client_optimizer", "client_lr", "gradient_penalty_on"):
+        if name not in ("profile", "client_optimizer", "client_lr", "gradient_penalty_on", "target_prior"):
             assert getattr(default, name) == getattr(p, name), name
     assert (default.client_optimizer, default.client_lr, default.client_weight_decay) == ("adam_gan", 1e-4, 0.0)
     assert default.gradient_penalty_on == "logit"
+    assert default.target_prior == "aggregate"
     paper = make_algorithm(small_config(**DAFKD, **{"algorithm.profile": "paper"})).params
     assert (paper.ensemble_space, paper.temperature, paper.kd_reduction) == ("probs", 1.0, "batchmean")
     assert (paper.discriminator_rounds, paper.generator_rounds, paper.gan_epochs, paper.gradient_penalty) == (
@@ -305,6 +348,7 @@ def test_profiles_fill_unset_switches_and_explicit_values_win():
     )  # fmt: skip
     assert (paper.generator_output, paper.distill_bn_mode, paper.client_optimizer) == ("tanh", "eval", "sgd")
     assert (paper.client_lr, paper.distill_lr, paper.generator_lr) == (None, 1e-2, 1e-3)
+    assert paper.target_prior == "teachers"
     p = make_algorithm(small_config(**DAFKD, **{"algorithm.profile": "code", "algorithm.temperature": 4.0})).params
     assert p.temperature == 4.0 and p.ensemble_space == "logits"
 
@@ -698,15 +742,17 @@ def test_bn_teachers_score_batch_by_batch_in_train_mode_and_a_frozen_student_kee
 def test_server_step_moves_the_average_to_the_teachers_and_raises_accuracy_where_they_are_better(digits):
     """Issue 24's end-to-end check of the server step itself, on the label-skewed digits (α = 0.5): the default
     profile's distillation (importance-weighted teachers mixed as logits at T = 20, Adam 1e-4, 40 epochs) fed 512
-    real images without their labels in place of the generator's. On those inputs the distilled model must
-    reproduce the mixed teacher (≥ 85 % argmax agreement, its accuracy there within 5 points of the teacher's), so
+    real images without their labels in place of the generator's, with the mixture distilled as it is (the code's
+    target; the default's correction of its class prior is tested below). On those inputs the distilled model must
+    reproduce its target (≥ 85 % argmax agreement, its accuracy there within 5 points of the teacher's), so
     in every round where the teachers beat the average ŵ by 2 points or more the step must raise accuracy, and it
     must do so at least once. A flipped KD sign, the student as its own teacher or a step that does nothing fails
     this. What it does not claim: on digits the teachers often trail ŵ after a few rounds, and the step then
     lowers accuracy by design (benchmarks/RESULTS.md, "DaFKD fidelity")."""
     cfg = small_config(
         rounds=4, clients_per_round=5,
-        **{"algorithm.name": "dafkd", "partition.num_clients": 10, "partition.alpha": 0.5, "local.epochs": 2},
+        **{"algorithm.name": "dafkd", "partition.num_clients": 10, "partition.alpha": 0.5, "local.epochs": 2,
+           "algorithm.target_prior": "teachers"},
     )  # fmt: skip
     sim = Simulation(cfg, digits)
     pipeline = sim.server_runtime.test_pipeline
@@ -723,7 +769,12 @@ def test_server_step_moves_the_average_to_the_teachers_and_raises_accuracy_where
     def measured_refine(server, info, replies, cids):
         if not algorithm.distils(info.round):
             return refine(server, info, replies, cids)
-        teacher = algorithm.teacher_target(server, inputs, replies).argmax(1)
+        # The target the step distils (the default's: the mixture with ŵ's class prior on the batch, issue 61).
+        teacher = distillation_target(
+            algorithm.teacher_target(server, inputs, replies),
+            lambda: algorithm.student_log_probs(server, inputs),
+            algorithm.params.target_prior,
+        ).argmax(1)
         before = accuracy_on_inputs()
         metrics = refine(server, info, replies, cids)
         model.eval()
@@ -741,3 +792,95 @@ def test_server_step_moves_the_average_to_the_teachers_and_raises_accuracy_where
         if teacher >= before + 2.0:
             assert after > before, shown
     assert any(teacher >= before + 2.0 for before, teacher, _, _ in rounds), shown
+
+
+# -- issue 61: the collapse under extreme skew and the aggregate's class prior -----------------------------
+
+
+def test_prior_corrected_target_written_out():
+    """``q̃_ic ∝ q_ic · r̄_c / q̄_c`` with ``q̄, r̄`` the batch means, by hand in loops: rows sum to 1, the ratio of
+    two classes changes by the same factor on every sample, and a target whose prior is the reference's keeps
+    its values."""
+    gen = torch.Generator().manual_seed(3)
+    log_q = torch.log_softmax(4 * torch.randn(6, 3, generator=gen), dim=1)
+    log_r = torch.log_softmax(torch.randn(6, 3, generator=gen), dim=1)
+    q, r = log_q.exp().tolist(), log_r.exp().tolist()
+    q_bar = [sum(q[i][c] for i in range(6)) / 6 for c in range(3)]
+    r_bar = [sum(r[i][c] for i in range(6)) / 6 for c in range(3)]
+    expected = []
+    for i in range(6):
+        unnormalised = [q[i][c] * r_bar[c] / q_bar[c] for c in range(3)]
+        expected.append([v / sum(unnormalised) for v in unnormalised])
+    got = prior_corrected_target(log_q, log_r)
+    assert torch.allclose(got.exp(), torch.tensor(expected), atol=1e-6)
+    assert torch.allclose(got.exp().sum(1), torch.ones(6), atol=1e-6)
+    shift = (got[:, 0] - got[:, 1]) - (log_q[:, 0] - log_q[:, 1])
+    assert torch.allclose(shift, shift[0].expand(6), atol=1e-5)
+    assert torch.allclose(prior_corrected_target(log_q, log_q), log_q, atol=1e-5)
+    assert torch.equal(distillation_target(log_q, lambda: log_r, "teachers"), log_q)
+    assert torch.equal(distillation_target(log_q, lambda: log_r, "aggregate"), got)
+
+
+def _blobs(n, gen, means):
+    labels = torch.randint(0, means.shape[0], (n,), generator=gen)
+    return means[labels] + torch.randn(n, means.shape[1], generator=gen), labels
+
+
+@pytest.mark.parametrize("target_prior", ["default", "teachers"])
+def test_one_class_teachers_throw_the_student_to_chance_unless_the_target_keeps_the_aggregates_prior(target_prior):
+    """Issue 61's mechanism on a small case. Four Gaussian classes; a student (ŵ) at about 97 %; three teachers
+    that are a better model of the same data plus +6 on class 0's logit (every near-one-class client prefers its
+    class, and here they share one). On noise inputs (the generator's samples) the logit-space mixture names
+    class 0 for every sample. Distilled as it is (the code's, ``teachers``), with the default's T = 20, Adam 1e-4
+    and 40 epochs, the student learns the +6 as a prior and every real sample goes to class 0: chance. With the
+    default's target (the aggregate's prior on the batch) it keeps its accuracy and moves towards the teachers'
+    per-sample preferences (it gains). This test fails if the default distils the teachers' prior."""
+    from torch import nn
+
+    gen = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
+    means = 3 * torch.randn(4, 8, generator=gen)
+    x_train, y_train = _blobs(2000, gen, means)
+    x_test, y_test = _blobs(2000, gen, means)
+
+    def mlp():
+        return nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 4))
+
+    def train(model, steps):
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+        for _ in range(steps):
+            loss = torch.nn.functional.cross_entropy(model(x_train), y_train)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+        return model
+
+    def accuracy(model):
+        with torch.no_grad():
+            return 100.0 * float((model(x_test).argmax(1) == y_test).float().mean())
+
+    student = train(mlp(), 3)
+    better = mlp()
+    better.load_state_dict(student.state_dict())
+    train(better, 60)
+    before = accuracy(student)
+    assert 90.0 < before < accuracy(better) - 1.0
+    with torch.no_grad():
+        better[2].bias[0] += 6.0
+    p = make_algorithm(small_config(**DAFKD)).params
+    if target_prior == "teachers":
+        p = p.model_copy(update={"target_prior": "teachers"})
+    p = p.model_copy(update={"distill_samples": 320})  # 10 batches x 40 epochs: the default's epochs and rates
+    noise = 2 * torch.randn(p.distill_samples, 8, generator=gen)
+    with torch.no_grad():
+        teacher_logits = torch.stack([better(noise)] * 3)
+        log_q = domain_aware_teacher(teacher_logits, torch.full((3, noise.shape[0]), -math.log(3)), p.temperature, p.ensemble_space)
+        assert float((log_q.argmax(1) == 0).float().mean()) > 0.99  # one class for the whole generated batch
+        target = distillation_target(log_q, lambda: torch.log_softmax(student(noise) / p.temperature, dim=1), p.target_prior)
+    distil(student, noise, target, p, "fp32")
+    after = accuracy(student)
+    if target_prior == "teachers":
+        share = float((student(x_test).argmax(1) == 0).float().mean())
+        assert after < 30.0 and share > 0.95, (after, share)  # chance: 25 %
+    else:
+        assert after > before, (before, after)

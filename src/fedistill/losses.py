@@ -9,6 +9,7 @@ invariants tested against this one module; sections follow the methods.
 
 from __future__ import annotations
 
+import math
 from typing import Callable, Iterable
 
 import torch
@@ -502,6 +503,26 @@ def domain_aware_teacher(
     if space == "logits":
         return torch.log_softmax((log_alpha.exp() * logits).sum(dim=0) / temperature, dim=1)
     raise ValueError(f"unknown ensemble space {space!r} (probs or logits)")
+
+
+def prior_corrected_target(log_target: torch.Tensor, log_reference: torch.Tensor) -> torch.Tensor:
+    """A target whose class prior on the batch is the reference's: ``log q̃_i = log_softmax(log q_i − log q̄ + log r̄)``.
+
+    ``q̄ = (1/N) Σ_i q_i`` and ``r̄ = (1/N) Σ_i r_i`` are the batch means of ``q = exp(log_target)`` and
+    ``r = exp(log_reference)``, both (N, M). It is logit adjustment for a label shift: the per-sample preferences
+    of ``q`` between classes are kept (``log q̃_{ic} − log q̃_{ic'}`` differs from ``log q_{ic} − log q_{ic'}`` by a
+    constant of the two classes, the same for every sample), while the share of each class over the batch is
+    moved from ``q̄`` to ``r̄``. DaFKD's server step uses it with the aggregate as the reference (spec/dafkd.md
+    ambiguity 19): teachers that each saw one or two classes agree on one class for almost every generated
+    sample, and a student that copies that share learns it as a prior on real images. Rows sum to 1; a target
+    whose prior already is the reference's comes back unchanged up to the renormalisation.
+    """
+    log_q = log_target.detach().float()
+    log_r = log_reference.detach().float()
+    n = log_q.shape[0]
+    log_q_bar = torch.logsumexp(log_q, dim=0) - math.log(n)
+    log_r_bar = torch.logsumexp(log_r, dim=0) - math.log(n)
+    return torch.log_softmax(log_q - log_q_bar + log_r_bar, dim=1)
 
 
 def domain_aware_distillation(
