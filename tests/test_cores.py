@@ -6,9 +6,12 @@ speed it buys is measured in benchmarks/bench_contention.py, never asserted here
 from __future__ import annotations
 
 import json
+import os
 import re
+import stat
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
@@ -157,6 +160,71 @@ def test_an_unwritable_claims_directory_leaves_the_busy_measure_alone(tmp_path):
     blocker.write_text("")
     ledger = CoreLedger([0, 1], blocker / "claims")  # a directory cannot be made under a file
     assert ledger.claim(lambda claimed: 2 - claimed) == 2
+
+
+HOLD_THE_LOCK = """
+import fcntl, sys
+with open(sys.argv[1], "a+") as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)  # what a fedistill from before filelock takes, and filelock on Unix
+    print("held", flush=True)
+    sys.stdin.read()  # until the test closes our stdin
+"""
+
+
+@pytest.mark.skipif(os.name != "posix", reason="flock")
+def test_a_claim_waits_for_the_lock_another_process_holds(tmp_path):
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD_THE_LOCK, str(tmp_path / "lock")], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        ledger = CoreLedger([0, 1], tmp_path)
+        result = []
+        claimer = threading.Thread(target=lambda: result.append(ledger.claim(lambda claimed: 2 - claimed)))
+        claimer.start()
+        claimer.join(0.5)
+        assert claimer.is_alive() and not ledger.path.exists()  # waiting: nothing read, nothing written
+        holder.stdin.close()
+        claimer.join(10)
+        assert result == [2] and json.loads(ledger.path.read_text())["cores"] == 2
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+@pytest.mark.skipif(os.name != "posix", reason="POSIX permission bits")
+def test_every_user_may_take_the_lock_and_read_the_claims(tmp_path):
+    previous = os.umask(0o022)
+    try:
+        ledger = CoreLedger([0, 1], tmp_path)
+        ledger.claim(lambda claimed: 1)
+    finally:
+        os.umask(previous)
+    assert stat.S_IMODE((tmp_path / "lock").stat().st_mode) == 0o666
+    assert stat.S_IMODE(ledger.path.stat().st_mode) == 0o644
+
+
+def test_a_killed_claimer_s_temporary_goes_and_the_claims_stay(tmp_path, other_process):
+    CoreLedger([0, 1], tmp_path, pid=other_process.pid).claim(lambda claimed: 1)
+    leftover = tmp_path / ".4242.json.0123456789ab.tmp"  # a claim being written when its process was killed
+    leftover.write_text('{"pid": 42')
+    (tmp_path / "notes.txt").write_text("not ours")
+    ledger = CoreLedger([0, 1], tmp_path)
+    assert ledger.claim(lambda claimed: claimed) == 1  # the other run's claim still counts
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["lock", "notes.txt", f"{other_process.pid}.json", ledger.path.name])
+
+
+def test_a_lock_the_file_system_cannot_take_leaves_the_busy_measure_alone(tmp_path):
+    class NoFlock:  # filelock up to 3.23 on a file system without flock
+        def __enter__(self):
+            raise NotImplementedError("FileSystem does not appear to support flock")
+
+        def __exit__(self, *exc):
+            return False
+
+    ledger = CoreLedger([0, 1], tmp_path)
+    ledger.lock = NoFlock()
+    assert ledger.claim(lambda claimed: 2 - claimed) == 2 and not ledger.usable and not ledger.path.exists()
 
 
 # -- the plan, and what the header says ---------------------------------------------------------------

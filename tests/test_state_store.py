@@ -47,6 +47,18 @@ def test_restoring_an_older_checkpoint_drops_newer_versions(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["client-000000.r000001.pt"]
 
 
+def test_restoring_removes_the_saves_a_killed_run_left_half_written(tmp_path):
+    store = DiskStateStore(tmp_path)
+    store.save(0, {"c": torch.zeros(2)}, 1)
+    snapshot = store.snapshot()
+    store.committed()
+    (tmp_path / ".client-000001.r000002.pt.0123456789ab.tmp").write_bytes(b"PK half")  # killed in round 2's save
+    (tmp_path / "client-000002.r000002.pt.tmp").write_bytes(b"PK half")  # the same, by an earlier fedistill
+    (tmp_path / "README.txt").write_text("a user's note")
+    DiskStateStore(tmp_path).restore(snapshot, None)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["README.txt", "client-000000.r000001.pt"]
+
+
 def test_resume_after_a_crash_between_checkpoints_is_exact_with_the_disk_store(digits, tmp_path):
     """Checkpoint at round 2, crash after round 3 (its files written), resume: equal to an uninterrupted run."""
 

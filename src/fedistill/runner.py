@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from rich import filesize
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
@@ -47,14 +48,9 @@ def _fmt(x: Any, spec: str = ".2f") -> str:
     return "-" if x is None else format(x, spec)
 
 
-def _bytes(n: int | None) -> str:
-    if n is None:
-        return "-"
-    for unit in ("B", "KB", "MB", "GB"):
-        if abs(n) < 1000 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return str(n)
+def _bytes(n: float | None) -> str:
+    """Traffic in rich's decimal units (as the download lines): 950 bytes, 28.9 kB, 170.5 MB, 12.3 GB, 1.0 TB."""
+    return "-" if n is None else filesize.decimal(round(n))
 
 
 def load_dataset_for(cfg: Config, data_dir: str | None = None, download: bool | None = None):

@@ -8,7 +8,8 @@ Guarantees of :func:`download_file`:
 
 * the body is streamed into a temporary file *in the destination directory* (so the final rename never
   crosses a file system), its md5 is computed on the fly and compared with the expected value, and only
-  then is it renamed onto the destination with :func:`os.replace` (atomic on POSIX and Windows);
+  then is it synced and renamed onto the destination with :func:`os.replace` (atomic on POSIX and Windows;
+  :func:`fedistill.fileio.atomic_open`);
 * on any failure (HTTP error, unreachable host, timeout, connection cut before ``Content-Length`` bytes
   arrived, checksum mismatch, interrupt) the temporary file is deleted and a :class:`DatasetError` names
   the URL and what went wrong. A half-written file therefore never appears under the final name, and no
@@ -16,7 +17,7 @@ Guarantees of :func:`download_file`:
 * the file gets the permissions of any file the process creates normally (``0o666`` minus the umask,
   typically ``0o644``, or what a default ACL of the directory says), so a shared data directory stays
   readable by the other users of the group. :func:`tempfile.mkstemp` would leave ``0o600``; see
-  :func:`_create_temp` for how this is done without touching the process umask.
+  :mod:`fedistill.fileio` for how this is done without touching the process umask.
 
 Fetching uses only :mod:`urllib`; progress is drawn with :mod:`rich` (already a dependency of fedistill).
 
@@ -47,12 +48,10 @@ the one atomic, checked downloader that uses it.
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import http.client
 import logging
 import os
-import secrets
 import shutil
 import sys
 import tarfile
@@ -65,6 +64,7 @@ from pathlib import Path
 from typing import IO, Callable, Mapping
 
 from ..errors import DatasetError
+from ..fileio import atomic_open
 
 log = logging.getLogger(__name__)
 
@@ -113,14 +113,10 @@ Progress = Callable[[int, "int | None"], None]
 
 
 def _format_bytes(count: float) -> str:
-    """Decimal units, as rich's download columns use them: 950 B, 28.9 kB, 170.5 MB, 1.25 GB."""
-    if count < 1_000:
-        return f"{int(count)} B"
-    if count < 1_000_000:
-        return f"{count / 1_000:.1f} kB"
-    if count < 1_000_000_000:
-        return f"{count / 1_000_000:.1f} MB"
-    return f"{count / 1_000_000_000:.2f} GB"
+    """Decimal units, rich's own (its download columns use them): 950 bytes, 28.9 kB, 170.5 MB, 1.2 GB."""
+    from rich.filesize import decimal
+
+    return decimal(int(count))
 
 
 def _format_rate(count: int, seconds: float) -> str:
@@ -290,32 +286,6 @@ def _reporter(report: "bool | DownloadProgress") -> DownloadProgress | None:
 
 # --- files ---------------------------------------------------------------------------------------------
 
-# mkstemp's flags (exclusive creation, no following a planted link) without its fixed mode 0o600.
-_TEMP_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_BINARY", 0)
-
-
-def _create_temp(dest: Path) -> tuple[int, Path]:
-    """Create a new, empty temporary file next to ``dest``; return its descriptor and path.
-
-    Like :func:`tempfile.mkstemp` (random name, ``O_EXCL`` so an existing file or link is never reused)
-    but created with mode ``0o666``, which the kernel reduces by the process umask (or replaces with the
-    directory's default ACL) exactly as for any normally created file; :func:`os.replace` keeps that mode,
-    so the dataset file ends ``0o644`` under the usual umask ``0o022`` and ``0o600`` under ``0o077``.
-
-    Letting the kernel apply the umask avoids reading it: Python can only read the umask by setting it
-    (``os.umask(0)`` then restoring it), which changes process-wide state and, for that instant, would make
-    files created by any other thread world-writable; caching that value once would in turn miss later
-    umask changes. Creating with ``0o666`` needs neither, and also honours default ACLs of shared folders.
-    """
-    for _ in range(100):
-        tmp = dest.parent / f".{dest.name}.{secrets.token_hex(6)}.part"
-        try:
-            return os.open(tmp, _TEMP_FLAGS, 0o666), tmp
-        except FileExistsError:  # pragma: no cover - 48 random bits
-            continue
-    raise FileExistsError(errno.EEXIST, "no free temporary file name", str(dest.parent))  # pragma: no cover
-
-
 def md5_file(path: Path, chunk_size: int = CHUNK_SIZE) -> str:
     """Hex md5 of a file, read in chunks so that archives of several hundred MB need little memory."""
     digest = hashlib.md5()
@@ -358,7 +328,7 @@ def download_file(
 
     ``progress`` is called after every chunk (see :data:`Progress`). ``report`` shows the download on
     stderr (``True``, see :class:`DownloadProgress`), on a given :class:`DownloadProgress`, or not at all
-    (``False``). The file gets the permissions of a normally created file (see :func:`_create_temp`);
+    (``False``). The file gets the permissions of a normally created file (see :mod:`fedistill.fileio`);
     missing parent folders are created with :meth:`Path.mkdir`'s default mode (``0o777`` minus the umask).
     """
     dest = Path(dest)
@@ -375,27 +345,18 @@ def download_file(
             reporter.start(url, dest, expected)
 
     dest.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = _create_temp(dest)
-    finished = False
     try:
-        with os.fdopen(fd, "wb") as out:
+        with atomic_open(dest) as out:  # renamed onto dest only if the block ends without an exception
             actual_md5 = _stream(url, out, timeout, on_chunk, on_headers)
-            out.flush()
-            os.fsync(out.fileno())
-        if md5 is not None and actual_md5 != md5.lower():
-            raise DatasetError(
-                f"checksum mismatch for {url}: expected md5 {md5.lower()}, got {actual_md5}; the server "
-                f"sent different bytes than the official file, so it was discarded (nothing written to {dest})"
-            )
-        os.replace(tmp, dest)
-        finished = True
+            if md5 is not None and actual_md5 != md5.lower():
+                raise DatasetError(
+                    f"checksum mismatch for {url}: expected md5 {md5.lower()}, got {actual_md5}; the server "
+                    f"sent different bytes than the official file, so it was discarded (nothing written to {dest})"
+                )
     except BaseException as exc:
         if reporter is not None:
             reporter.fail(_describe_failure(exc))
         raise
-    finally:
-        if not finished:
-            _remove_quietly(tmp)
     if reporter is not None:
         reporter.finish(f"md5 ok ({actual_md5})" if md5 is not None else "md5 not checked (none published)")
     return dest
@@ -571,29 +532,13 @@ def _write_atomic(source: IO[bytes], dest: Path, archive: Path, member: str) -> 
     """Copy ``source`` into ``dest`` through a temporary file in the same directory (mode as for
     :func:`download_file`: that of a normally created file)."""
     dest.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = _create_temp(dest)
-    finished = False
     try:
-        with os.fdopen(fd, "wb") as out:
+        with atomic_open(dest) as out:
             shutil.copyfileobj(source, out, CHUNK_SIZE)
-        os.replace(tmp, dest)
-        finished = True
-        log.info("extracted %s from %s -> %s", member, archive, dest)
     except OSError as exc:
         # Decompression/CRC failures are OSErrors without errno and mean a corrupt archive (handled by
         # the caller); an errno means the local file system refused the write (full disk, permissions).
         if exc.errno is None:
             raise
         raise DatasetError(f"cannot write {dest} (extracting {member} from {archive}): {exc}") from None
-    finally:
-        if not finished:
-            _remove_quietly(tmp)
-
-
-def _remove_quietly(path: Path) -> None:
-    try:
-        path.unlink()
-    except FileNotFoundError:
-        pass
-    except OSError as exc:  # pragma: no cover - e.g. permissions changed under us
-        log.warning("could not remove temporary file %s: %s", path, exc)
+    log.info("extracted %s from %s -> %s", member, archive, dest)

@@ -2,8 +2,9 @@
 
 Because every random stream is derived from (seed, round, client) (see :mod:`.seeding`), no RNG state
 has to be stored: the global model (full state dict), the server's and every client's persistent state,
-and the metrics so far are enough. Files are written to a temporary name and renamed, so a crash while
-saving never leaves a half-written checkpoint in place of the last good one.
+and the metrics so far are enough. Files are written to a temporary name, synced and renamed
+(:func:`fedistill.fileio.atomic_open`), so a crash while saving never leaves a half-written checkpoint in place
+of the last good one.
 
 A checkpoint holds only tensors and plain data (numbers, strings, None, lists, tuples, dicts), and is
 read with ``torch.load(weights_only=True)``: a run directory can come from anywhere (a colleague, a shared
@@ -13,7 +14,6 @@ one line.
 
 from __future__ import annotations
 
-import os
 import pickle
 from pathlib import Path
 from typing import Any
@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from ..errors import ConfigError
+from ..fileio import atomic_open
 
 FORMAT_VERSION = 1
 CHECKPOINT_NAME = "checkpoint.pt"
@@ -42,9 +43,8 @@ def comparable_setting(key: str, value: Any) -> Any:
 
 def save_checkpoint(path: Path, payload: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save({"format_version": FORMAT_VERSION, **payload}, tmp)
-    os.replace(tmp, path)
+    with atomic_open(path) as f:
+        torch.save({"format_version": FORMAT_VERSION, **payload}, f)
 
 
 def load_tensor_file(path: Path, what: str) -> Any:

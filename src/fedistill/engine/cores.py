@@ -33,12 +33,11 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable
 
-try:  # not on Windows: there the claims are kept without a lock
-    import fcntl
-except ImportError:  # pragma: no cover
-    fcntl = None  # type: ignore[assignment]
+from filelock import FileLock
+
+from ..fileio import atomic_write, remove_temporaries
 
 # A round's clients must hold at least this much arithmetic (training FLOPs, forward + backward) before worker
 # processes pay for themselves (benchmarks/RESULTS.md "Cores shared with other programs"): make run's digits job,
@@ -207,6 +206,9 @@ class CoreLedger:
         self.directory = directory or claims_directory()
         self.pid = pid or os.getpid()
         self.path = self.directory / f"{self.pid}.json"
+        # flock on Unix, as earlier fedistill versions took it (so their runs and these exclude each other), a
+        # Windows lock there; mode 0o666: the runs of the machine's other users take the same lock.
+        self.lock = FileLock(self.directory / "lock", mode=0o666)
         self.usable = True
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
@@ -214,19 +216,6 @@ class CoreLedger:
                 self.directory.chmod(0o1777)
         except OSError:
             self.usable = False  # a read-only temp dir: the busy measure alone decides
-
-    @contextlib.contextmanager
-    def _locked(self) -> Iterator[None]:
-        with open(self.directory / "lock", "a+") as lock:
-            with contextlib.suppress(OSError):  # another user's runs take the same lock
-                os.chmod(lock.name, 0o666)
-            if fcntl is not None:
-                fcntl.flock(lock, fcntl.LOCK_EX)
-            try:
-                yield
-            finally:
-                if fcntl is not None:
-                    fcntl.flock(lock, fcntl.LOCK_UN)
 
     def _others(self) -> int:
         claimed = 0
@@ -252,14 +241,15 @@ class CoreLedger:
         if not self.usable:
             return decide(0)
         try:
-            with self._locked():
+            with self.lock:
+                # Claims are written under the lock, so a temporary file found here is one of a killed process.
+                remove_temporaries(self.directory)
                 cores = decide(self._others())
                 record = {"pid": self.pid, "start": _start_time(self.pid), "cpus": self.cpus, "cores": cores}
-                tmp = self.path.with_suffix(".tmp")
-                tmp.write_text(json.dumps(record))
-                tmp.replace(self.path)
+                # Not synced to the disk: after a power cut no claim is anybody's any more.
+                atomic_write(self.path, json.dumps(record), durable=False)
                 return cores
-        except OSError:
+        except (OSError, NotImplementedError):  # filelock <= 3.23 on a file system without flock: NotImplementedError
             self.usable = False
             return decide(0)
 

@@ -22,7 +22,6 @@ numbers against fp32 (benchmarks/RESULTS.md measures by how much), so a resume m
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 import tempfile
@@ -33,8 +32,11 @@ from typing import Any
 
 import torch
 
+from ..fileio import atomic_open, is_temporary
+
 STATE_DIR_NAME = "client_states"
 _FILE = re.compile(r"^client-(\d+)\.r(\d+)\.pt$")
+_LEGACY_TEMPORARY = re.compile(r"^client-\d+\.r\d+\.pt\.tmp$")  # the fixed temporary name before fileio
 STATE_DTYPES = ("fp32", "bf16")
 # Names of the entries a bf16 store rounded, kept inside the stored state so that load widens exactly
 # those (a tensor an algorithm keeps in bf16 itself stays bf16).
@@ -169,10 +171,8 @@ class DiskStateStore(Mapping[int, dict[str, Any]]):
         if not state and cid not in self._current:
             return  # stateless methods (FedAvg) never touch the disk
         self.root.mkdir(parents=True, exist_ok=True)
-        path = self._path(cid, rnd)
-        tmp = path.with_name(path.name + ".tmp")
-        torch.save(pack_state(state, self.dtype), tmp)
-        os.replace(tmp, path)
+        with atomic_open(self._path(cid, rnd)) as f:
+            torch.save(pack_state(state, self.dtype), f)
         previous = self._current.get(cid)
         self._current[cid] = rnd
         # The previous version goes unless the last checkpoint still refers to it.
@@ -204,10 +204,12 @@ class DiskStateStore(Mapping[int, dict[str, Any]]):
             for cid, state in _states_of(payload, run_dir).items():
                 self.save(cid, state, 0)
         self._checkpointed = dict(self._current)
-        # Versions written after the checkpoint belong to rounds that will be run again.
+        # Versions written after the checkpoint belong to rounds that will be run again; a temporary file is
+        # a save the previous attempt was killed in (named ``<file>.tmp`` by earlier versions of fedistill).
         for path in self.root.iterdir() if self.root.is_dir() else []:
             match = _FILE.match(path.name)
-            if path.name.endswith(".tmp") or (match and self._current.get(int(match[1])) != int(match[2])):
+            stale = match is not None and self._current.get(int(match[1])) != int(match[2])
+            if stale or is_temporary(path.name) or _LEGACY_TEMPORARY.match(path.name):
                 path.unlink()
 
 

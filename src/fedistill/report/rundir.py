@@ -10,7 +10,6 @@ from __future__ import annotations
 import csv
 import json
 import math
-import os
 import time
 from pathlib import Path
 from typing import Any, Iterable
@@ -19,6 +18,9 @@ import numpy as np
 import yaml
 
 from ..errors import ConfigError
+from ..fileio import atomic_open, atomic_write, remove_temporaries
+
+_atomic_write = atomic_write  # still imported under this name by report/groups.py
 
 METRIC_COLUMNS = [
     "round", "lr", "clients", "train_loss", "test_accuracy", "test_loss", "personal_accuracy", "personal_min",
@@ -32,12 +34,6 @@ def _clean(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
         return None
     return value
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 class RunDirectory:
@@ -81,7 +77,7 @@ class RunDirectory:
 
     # ------------------------------------------------------------------------------------------
     def write_config(self, config: dict[str, Any]) -> None:
-        _atomic_write(self.path / "config.yaml", yaml.safe_dump(config, sort_keys=False))
+        atomic_write(self.path / "config.yaml", yaml.safe_dump(config, sort_keys=False))
 
     def read_config(self) -> dict[str, Any]:
         """The run's saved configuration (a mapping); one-line errors naming the file otherwise."""
@@ -99,8 +95,10 @@ class RunDirectory:
 
         Rows written after the checkpoint belong to rounds that run again (all rows, without a checkpoint);
         the previous attempt's ``summary.json`` goes, since this attempt writes its own (a missing summary
-        means the run is not finished); allowed result-changing settings are recorded.
+        means the run is not finished); allowed result-changing settings are recorded. Temporary files of writes
+        the previous attempt was killed in the middle of (checkpoint, metrics; :mod:`fedistill.fileio`) go too.
         """
+        remove_temporaries(self.path)
         done = len(history) and int(history[-1]["round"])
         if changes:
             self.record_resume(done, changes)
@@ -125,19 +123,17 @@ class RunDirectory:
 
     def rewrite_metrics(self, history: Iterable[dict[str, Any]]) -> None:
         lines = "".join(json.dumps({k: _clean(v) for k, v in row.items()}) + "\n" for row in history)
-        _atomic_write(self.path / "metrics.jsonl", lines)
+        atomic_write(self.path / "metrics.jsonl", lines)
 
     def write_csv(self, history: list[dict[str, Any]]) -> None:
         # Per-class lists (the class-distribution diagnostic) go to class_distributions.csv instead.
         extra = sorted({k for row in history for k, v in row.items() if not isinstance(v, list)} - set(METRIC_COLUMNS))
         columns = METRIC_COLUMNS + extra
-        tmp = self.path / "metrics.csv.tmp"
-        with open(tmp, "w", newline="") as f:
+        with atomic_open(self.path / "metrics.csv", "w", newline="") as f:
             writer = csv.DictWriter(f, fieldnames=columns)
             writer.writeheader()
             for row in history:
                 writer.writerow({k: ("" if row.get(k) is None else _clean(row.get(k))) for k in columns})
-        os.replace(tmp, self.path / "metrics.csv")
         self.write_class_distributions(history)
         self.write_personal_accuracies(history)
 
@@ -150,7 +146,7 @@ class RunDirectory:
             for cid, acc in zip(r["personal_clients"], r["personal_accuracies"])
         )
         if body:
-            _atomic_write(self.path / "personal_accuracy.csv", "round,client,accuracy\n" + body)
+            atomic_write(self.path / "personal_accuracy.csv", "round,client,accuracy\n" + body)
 
     def write_class_distributions(self, history: list[dict[str, Any]]) -> None:
         """``class_distributions.csv``: per round, the training labels of the round's clients and the global
@@ -166,18 +162,18 @@ class RunDirectory:
         classes = len(rows[0][2])
         header = "round,kind," + ",".join(f"class_{c}" for c in range(classes)) + "\n"
         body = "".join(f"{rnd},{kind}," + ",".join(str(int(v)) for v in counts) + "\n" for rnd, kind, counts in rows)
-        _atomic_write(self.path / "class_distributions.csv", header + body)
+        atomic_write(self.path / "class_distributions.csv", header + body)
 
     def write_environment(self, info: dict[str, Any]) -> None:
-        _atomic_write(self.path / "environment.json", json.dumps({k: _clean(v) for k, v in info.items()}, indent=2) + "\n")
+        atomic_write(self.path / "environment.json", json.dumps({k: _clean(v) for k, v in info.items()}, indent=2) + "\n")
 
     def write_summary(self, summary: dict[str, Any]) -> None:
-        _atomic_write(self.path / "summary.json", json.dumps({k: _clean(v) for k, v in summary.items()}, indent=2) + "\n")
+        atomic_write(self.path / "summary.json", json.dumps({k: _clean(v) for k, v in summary.items()}, indent=2) + "\n")
 
     def write_partition(self, counts: np.ndarray) -> None:
         header = "client," + ",".join(f"class_{c}" for c in range(counts.shape[1])) + ",total\n"
         body = "".join(f"{k}," + ",".join(str(int(v)) for v in row) + f",{int(row.sum())}\n" for k, row in enumerate(counts))
-        _atomic_write(self.path / "partition_counts.csv", header + body)
+        atomic_write(self.path / "partition_counts.csv", header + body)
 
 
 def _read_text(path: Path) -> str:
