@@ -1,33 +1,42 @@
 # The two fresh-machine commands of the README:
-#   make run    create .venv, install, run the main job (label-skewed FedAvg on the embedded digits)
-#   make test   create .venv, install with test extras, run the test suite
+#   make run    create .venv, install the package and what the main job needs (no test extras), run the main job
+#               (label-skewed FedAvg on the embedded digits)
+#   make test   the same install, plus the test extras (pytest, Flower, Ray, TensorBoard, mkdocs), run the suite
 VENV ?= .venv
 PYTHON ?= python3
 # The CPU build of PyTorch; a bare `torch` requirement would pull the newest CUDA build (GBs).
 TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 
-.PHONY: install run test bench docs clean
+.PHONY: install install-test run test bench docs clean
 
+# The main job's install: torch's CPU build, then the package with its core dependencies only.
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e .
+	touch $@
+
+# The test extras on top: pip finds torch and the core dependencies installed and leaves them as they are.
+$(VENV)/.installed-test: $(VENV)/.installed
 	$(PY) -m pip install -q -e ".[test]"
 	touch $@
 
 install: $(VENV)/.installed
+
+install-test: $(VENV)/.installed-test
 
 run: install
 	$(VENV)/bin/fedistill run --config configs/digits_fedavg.yaml
 
 # Two test processes with one torch thread each (tests/conftest.py): the small models of the tests use two
 # cores poorly inside one process; on two idle cores the suite takes about 8 minutes (1,304 tests; tests/test_cuda.py skips without CUDA).
-test: install
+test: install-test
 	$(PY) -m pytest -n 2
 
 # The documentation site into site/ (open site/index.html; no network needed to build or read it).
-docs: install
+docs: install-test
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
 bench: install

@@ -106,7 +106,12 @@ _REPOSITORY_LINKS = {
 
 
 def on_page_markdown(markdown: str, page: Any, config: Any, files: Files) -> str:
-    """Repository links of a page -> site links (README -> home, the notebook -> its pages, figures -> assets)."""
+    """Repository links of a page -> site links (README -> home, the notebook -> its pages, figures -> assets).
+
+    A leaderboard page drops the table of contents on the right: its table has ten columns, and beside both
+    sidebars it was wider than the page at 1400 px (the % of peak column cut off)."""
+    if page.file.src_uri.startswith("results/leaderboard-"):
+        page.meta["hide"] = sorted({*page.meta.get("hide", []), "toc"})
     page_dir = posixpath.dirname(page.file.src_uri)
     source_dir = "benchmarks" if page.file.src_uri.startswith("results/notebook-") else "docs"
 

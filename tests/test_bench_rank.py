@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from fedistill.bench import bench, load_suite
-from fedistill.bench_rank import CELLS_FILE, _ranks
+from fedistill.bench_rank import CELLS_FILE, competition_ranks
 from fedistill.errors import ConfigError
 
 SUITE = {
@@ -124,5 +124,52 @@ def test_a_changed_protocol_or_a_missing_file_is_refused_in_one_line(published, 
         bench(suite, tmp_path / "x", methods=["nope"], published=published / CELLS_FILE)
 
 
+def test_the_published_cells_ship_with_the_package_and_are_found_from_any_directory(tmp_path, monkeypatch):
+    """Issue 62: ranking a method of your own against fd-mnist from outside a clone. From an empty directory the
+    default cells are the ones that ship with fedistill (the checkout's benchmarks/leaderboards here; the wheel's
+    package data in tests/test_packaging.py), byte for byte the committed file."""
+    from fedistill.bench_rank import load_published, published_cells_path
+
+    committed = Path(__file__).resolve().parents[1] / "benchmarks" / "leaderboards" / "fd-mnist" / CELLS_FILE
+    monkeypatch.chdir(tmp_path)
+    suite = load_suite("fd-mnist")
+    assert published_cells_path("fd-mnist").read_bytes() == committed.read_bytes()
+    data = load_published(suite, None)
+    assert data["suite"] == "fd-mnist" and data["cells"] == json.loads(committed.read_text())["cells"]
+    with pytest.raises(ConfigError, match="no published cells at .*nope"):
+        load_published(suite, tmp_path / "nope" / CELLS_FILE)  # --published still overrides
+
+
 def test_ties_share_a_rank():
-    assert _ranks({"a": 90.0, "b": 80.0, "c": 90.0, "d": 70.0}) == {"a": 1, "c": 1, "b": 3, "d": 4}
+    assert competition_ranks({"a": 90.0, "b": 80.0, "c": 90.0, "d": 70.0}) == {"a": 1, "c": 1, "b": 3, "d": 4}
+    assert competition_ranks({"x": 50.0, "y": 50.0, "z": 50.0}) == {"x": 1, "y": 1, "z": 1}
+    assert competition_ranks({}) == {}
+
+
+def test_the_leaderboard_and_the_ranking_share_the_rule_and_the_one_seed_convention(tmp_path):
+    """Issue 62: bench_results.leaderboard_rows numbered tied methods 1, 2, 3 by name, bench_rank 1, 1, 3; and a
+    one-seed standard deviation was 0.0 in one and None in the other. Both now: ties share the best rank, and one
+    seed has no standard deviation (None, shown "n/a")."""
+    from types import SimpleNamespace
+
+    from fedistill.bench_results import leaderboard_rows
+    from fedistill.report.groups import format_stat
+
+    class OneSeedCell:  # what leaderboard_rows reads of a finished bench cell
+        def __init__(self, method: str, final: float):
+            self.setting, self.method, self.why_not, self.path = "s", method, None, tmp_path
+            self.config = SimpleNamespace(accuracy_metric=lambda: "global")
+            self.final = final
+
+        def state(self):
+            return "done"
+
+        def result(self):
+            return SimpleNamespace(final=self.final, best=self.final, diverged_after=None, bytes_per_round=None,
+                                   seconds_per_round=None)  # fmt: skip
+
+    suite = SimpleNamespace(settings={"s": SimpleNamespace(label="S")}, target_accuracy=None, method_specs=lambda: ["b", "a", "c"])
+    rows = leaderboard_rows(suite, [OneSeedCell("b", 80.0), OneSeedCell("a", 80.0), OneSeedCell("c", 90.0)])
+    assert [(r["method"], r["rank"]) for r in rows] == [("c", 1), ("a", 2), ("b", 2)]
+    assert all(r["final_accuracy_std"] is None for r in rows)
+    assert format_stat({"mean": 80.0, "std": None}) == "80.00 ± n/a"

@@ -104,6 +104,10 @@ def test_the_site_builds_strict_offline_with_a_page_per_method(tmp_path):
     for name in ALGORITHMS.names():
         assert (site / "methods" / f"{name}.html").exists(), name
     assert (site / "results" / "leaderboard-fd-mnist.html").exists()
+    # The leaderboards' ten-column tables get the table of contents' width (issue 62: cut off at 1400 px).
+    toc = re.compile(r'md-sidebar--secondary"[^>]*data-md-type="toc"\s*(hidden)?>')
+    assert toc.search((site / "results" / "leaderboard-fd-mnist.html").read_text(encoding="utf-8"))[1] == "hidden"
+    assert toc.search((site / "methods.html").read_text(encoding="utf-8"))[1] is None
     # Nothing fetched from the network when the site is read: no remote script, stylesheet or font.
     for page in site.rglob("*.html"):
         html = page.read_text(encoding="utf-8")

@@ -183,3 +183,25 @@ def test_vector_formats_follow_the_extension(tmp_path):
     with pytest.raises(ConfigError, match=r"\.xyz"):
         plot_accuracy(curves, tmp_path / "a.xyz")
     assert not (tmp_path / "a.xyz").exists()
+
+
+def test_label_widths_are_measured_not_counted():
+    """Issue 62: the legend's columns and the leaderboard's point labels take the text's width as matplotlib sets it
+    (report/plots.text_width_points), not a guessed width per character: six W are wider than six i, a label is
+    wider at a larger size, and the legend fits fewer columns of wide labels than of narrow ones."""
+    from matplotlib.figure import Figure
+
+    from fedistill.report.plots import _legend_columns, text_width_points
+
+    narrow, wide = text_width_points("iiiiii", 8.5), text_width_points("WWWWWW", 8.5)
+    assert 0 < narrow < wide / 2
+    assert text_width_points("FedAvg", 17.0) == pytest.approx(2 * text_width_points("FedAvg", 8.5), rel=0.05)
+    # the same width as a text drawn on a figure and measured by its renderer (72 points an inch)
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    fig = Figure(dpi=100)
+    canvas = FigureCanvasAgg(fig)
+    drawn = fig.text(0, 0, "FedLMD-Tf (50 clients)", fontsize=8.5)
+    drawn_points = drawn.get_window_extent(canvas.get_renderer()).width * 72 / fig.dpi
+    assert text_width_points("FedLMD-Tf (50 clients)", 8.5) == pytest.approx(drawn_points, rel=0.05)
+    assert _legend_columns(["i" * 30] * 6, 6.4) > _legend_columns(["W" * 30] * 6, 6.4)

@@ -115,6 +115,8 @@ def test_every_package_and_the_configs_are_listed():
     assert {"fedistill.configs", "fedistill.configs.reproduce", "fedistill.configs.bench"} <= listed
     for package in ("fedistill.configs", "fedistill.configs.reproduce", "fedistill.configs.bench"):
         assert "*.yaml" in setuptools["package-data"][package]
+    assert setuptools["package-dir"]["fedistill.leaderboards"] == "benchmarks/leaderboards"
+    assert "fedistill.leaderboards" in listed and "*/cells.json" in setuptools["package-data"]["fedistill.leaderboards"]
 
 
 def _version(text: str) -> tuple[int, ...]:
@@ -152,7 +154,7 @@ def test_wheel_installs_and_runs_away_from_the_source_tree(tmp_path):
     source = tmp_path / "source"
     source.mkdir()
     ignore = shutil.ignore_patterns("__pycache__", "*.egg-info", "*.pyc")
-    for name in ("src", "configs"):
+    for name in ("src", "configs", "benchmarks/leaderboards"):
         shutil.copytree(ROOT / name, source / name, ignore=ignore)
     for path in [ROOT / "pyproject.toml", ROOT / "README.md", *ROOT.glob("LICEN[CS]E*"), *ROOT.glob("MANIFEST.in")]:
         shutil.copy2(path, source / path.name)
@@ -163,6 +165,8 @@ def test_wheel_installs_and_runs_away_from_the_source_tree(tmp_path):
         names = set(archive.namelist())
     shipped = {f"fedistill/configs/{p.relative_to(ROOT / 'configs').as_posix()}" for p in (ROOT / "configs").rglob("*.yaml")}
     assert "fedistill/configs/digits_fedavg.yaml" in shipped and shipped <= names, sorted(shipped - names)
+    cells = {f"fedistill/leaderboards/{p.parent.name}/cells.json" for p in (ROOT / "benchmarks" / "leaderboards").glob("*/cells.json")}
+    assert "fedistill/leaderboards/fd-mnist/cells.json" in cells and cells <= names, sorted(cells - names)
 
     # 2. A fresh venv with only the wheel installed (--no-deps). The dependencies (torch, numpy, ...) are this
     #    environment's: a .pth file, written after the install so pip sees an empty environment, appends this
@@ -181,12 +185,15 @@ def test_wheel_installs_and_runs_away_from_the_source_tree(tmp_path):
     work = tmp_path / "work"
     work.mkdir()
     probe = (
-        "import json, sys, fedistill, fedistill.reproduce as r; "
-        "print(json.dumps([fedistill.__file__, str(r.bundled_configs_dir()), sys.path]))"
+        "import json, sys, fedistill, fedistill.reproduce as r, fedistill.bench_rank as b; "
+        "print(json.dumps([fedistill.__file__, str(r.bundled_configs_dir()), sys.path, str(b.published_cells_path('fd-mnist'))]))"
     )
-    module_file, configs_dir, path = json.loads(_run([str(python), "-c", probe], work, env).stdout)
+    module_file, configs_dir, path, cells_file = json.loads(_run([str(python), "-c", probe], work, env).stdout)
     assert Path(module_file).is_relative_to(venv_site), module_file
     assert Path(configs_dir) == venv_site / "fedistill" / "configs"
+    # The published cells a method of your own is ranked against (`bench fd-mnist --plugin ... --methods ...`).
+    assert Path(cells_file) == venv_site / "fedistill" / "leaderboards" / "fd-mnist" / "cells.json"
+    assert Path(cells_file).read_bytes() == (ROOT / "benchmarks" / "leaderboards" / "fd-mnist" / "cells.json").read_bytes()
     assert not any(Path(p).resolve().is_relative_to(ROOT / "src") for p in path if p), path
 
     scripts = python.parent

@@ -54,14 +54,14 @@ def test_group_summary_by_hand():
     assert g["final_accuracy"]["mean"] == 90.0 and g["counted"] == "3/4" and g["runs"][3]["status"] == "diverged"
     # one seed: no standard deviation; no target: no count of seeds reaching it
     g = group_summary({4: {"final_accuracy": 80.0, "best_accuracy": 84.0, "target_accuracy": None}})
-    assert g["final_accuracy"] == {"mean": 80.0, "std": None, "n": 1} and format_stat(g["final_accuracy"]) == "80.00"
+    assert g["final_accuracy"] == {"mean": 80.0, "std": None, "n": 1} and format_stat(g["final_accuracy"]) == "80.00 ± n/a"
     assert g["rounds_to_target"]["reached"] is None and format_to_target(g) == "-"
 
 
 def test_mean_curve_takes_only_the_rounds_every_seed_has():
     rounds, mean, std = mean_curve([[(1, 10.0), (2, 20.0), (3, 30.0)], [(1, 20.0), (2, 40.0)]])
     assert rounds == [1, 2] and mean == [15.0, 30.0] and std == pytest.approx([np.std([10, 20], ddof=1), np.std([20, 40], ddof=1)])
-    assert mean_curve([[(1, 5.0)]]) == ([1], [5.0], [0.0])
+    assert mean_curve([[(1, 5.0)]]) == ([1], [5.0], None)  # one seed: no standard deviation (issue 62), no band
 
 
 def test_run_seeds_writes_a_run_per_seed_and_the_group_summary(group):

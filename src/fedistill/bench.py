@@ -32,6 +32,7 @@ from typing import Any
 from pydantic import Field
 
 from .errors import ConfigError
+from .fileio import atomic_write
 from .bench_results import FLOPS_FILE, leaderboard_rows, suite_claim_rows, write_leaderboard
 from .engine.flops import counted_flops
 from .reproduce import ClaimSpec, ColumnSpec, StrictModel, method_dir_name, read_model_file
@@ -303,7 +304,7 @@ def best_bf16_peak(root: Path, measured: float, threads: int = 1) -> float:
         by_threads = {}  # none yet (or unreadable: the fresh measurement stands)
     best = max(by_threads.get(str(threads), 0.0), measured)
     by_threads[str(threads)] = best
-    path.write_text(json.dumps({"by_threads": by_threads, "last_measured": {"threads": threads, "gflops_per_s": measured}}))
+    atomic_write(path, json.dumps({"by_threads": by_threads, "last_measured": {"threads": threads, "gflops_per_s": measured}}))
     return best
 
 
@@ -315,7 +316,7 @@ def _run_cell(config_tree: dict[str, Any], path: str, count_flops: bool = False)
     from .runs import ensure_run_quietly
 
     def write_flops(flops: int) -> None:
-        (Path(path) / FLOPS_FILE).write_text(json.dumps({"flops_per_round": flops, "torch": torch.__version__, "counted": "in the run"}))
+        atomic_write(Path(path) / FLOPS_FILE, json.dumps({"flops_per_round": flops, "torch": torch.__version__, "counted": "in the run"}))
 
     # Counted inside the run's own round 1 when that round is the one count_round_flops would count (it is
     # evaluated): no second copy of the round. That round's seconds are then left out of the cell's s/round.
@@ -338,7 +339,7 @@ def _run_cell(config_tree: dict[str, Any], path: str, count_flops: bool = False)
         if "holds a run with another configuration" in str(exc):
             raise
         Path(path).mkdir(parents=True, exist_ok=True)
-        (Path(path) / NOT_APPLICABLE).write_text(f"{exc}\n")
+        atomic_write(Path(path) / NOT_APPLICABLE, f"{exc}\n")
         return path, time.perf_counter() - start
     seconds = time.perf_counter() - start
     if count_flops and not _has_flops(Path(path)):
@@ -346,7 +347,7 @@ def _run_cell(config_tree: dict[str, Any], path: str, count_flops: bool = False)
             counted = count_round_flops(config_tree)
         except Exception as exc:  # a counter that cannot follow a method is a missing number, not a failed cell
             counted = {"flops_per_round": None, "error": f"{type(exc).__name__}: {exc}"}
-        (Path(path) / FLOPS_FILE).write_text(json.dumps(counted))
+        atomic_write(Path(path) / FLOPS_FILE, json.dumps(counted))
     return path, seconds
 
 
@@ -364,7 +365,7 @@ def bench(
     """Run the suite's cells (all, or those numbered in ``only``), ``jobs`` at a time (or as Ray tasks on the
     cluster at ``ray_address``; ``local`` starts one on this machine), then write and return the leaderboard
     of every finished cell. With ``methods``: only their cells, ranked against the published cells instead
-    (``published``, else ./benchmarks/leaderboards/SUITE/cells.json; bench_rank.py)."""
+    (``published``, else the cells that ship with fedistill, fedistill/leaderboards/SUITE/cells.json; bench_rank.py)."""
     from .runner import make_console
 
     console = console or make_console(wide=True)

@@ -16,12 +16,14 @@ from __future__ import annotations
 import hashlib
 import json
 import statistics
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
 from .errors import ConfigError
+from .fileio import atomic_write
 
-__all__ = ["CELLS_FILE", "FLOPS_FILE", "cell_records", "write_cells", "load_published", "protocol_of", "rank_against_published", "with_methods", "write_ranking"]
+__all__ = ["CELLS_FILE", "FLOPS_FILE", "cell_records", "competition_ranks", "write_cells", "load_published", "protocol_of", "rank_against_published", "with_methods", "write_ranking"]
 
 CELLS_FILE = "cells.json"
 FLOPS_FILE = "flops.json"  # in a cell's directory: the FLOPs of one round, counted once per (setting, method)
@@ -113,13 +115,32 @@ def write_cells(suite: Any, cells: list[Any], root: Path) -> Path:
     data = {"format": FORMAT, "suite": suite.name, "seeds": suite.seeds, "environments": environments,
             "protocols": protocols, "cells": records}  # fmt: skip
     path = root / CELLS_FILE
-    path.write_text(json.dumps(data, separators=(",", ":"), default=str))
+    atomic_write(path, json.dumps(data, separators=(",", ":"), default=str))
     return path
 
 
+def bundled_leaderboards_dir() -> Path | None:
+    """The published leaderboards' cells that ship with fedistill, or None if this installation has none.
+
+    In an installed wheel they are package data, ``fedistill/leaderboards/SUITE/cells.json`` (pyproject.toml maps
+    the repository's ``benchmarks/leaderboards/`` there); from the source tree (an editable install, or ``src`` on
+    ``sys.path``) it is the checkout's ``benchmarks/leaderboards/``, whatever the working directory.
+    """
+    packaged = resources.files(__package__) / "leaderboards"
+    candidates = [Path(str(packaged)), Path(__file__).resolve().parents[2] / "benchmarks" / "leaderboards"]
+    return next((c for c in candidates if c.is_dir()), None)
+
+
+def published_cells_path(suite_name: str) -> Path:
+    """Where the published cells of ``suite_name`` ship (a path that may not exist, for the caller's error)."""
+    bundled = bundled_leaderboards_dir()
+    root = bundled if bundled is not None else Path("benchmarks") / "leaderboards"
+    return root / suite_name / CELLS_FILE
+
+
 def load_published(suite: Any, path: Path | None) -> dict[str, Any]:
-    """The published cells of ``suite``: ``path``, else ./benchmarks/leaderboards/SUITE/cells.json."""
-    path = Path(path) if path is not None else Path("benchmarks") / "leaderboards" / suite.name / CELLS_FILE
+    """The published cells of ``suite``: ``path``, else the ones that ship with fedistill (from any directory)."""
+    path = Path(path) if path is not None else published_cells_path(suite.name)
     try:
         data = json.loads(path.read_text())
     except FileNotFoundError:
@@ -163,10 +184,16 @@ def check_protocol(cells: list[Any], published: dict[str, Any]) -> None:
             )
 
 
-def _ranks(finals: dict[str, float]) -> dict[str, int]:
-    """Competition ranks by mean final accuracy, highest first: equal means share a rank (1, 2, 2, 4)."""
-    ordered = sorted(finals.values(), reverse=True)
-    return {method: 1 + ordered.index(value) for method, value in finals.items()}
+def competition_ranks(scores: dict[str, float]) -> dict[str, int]:
+    """The one ranking rule of every leaderboard and ranking (issue 62): highest score first, and equal scores
+    share the best of their ranks (90, 80, 80, 70 rank 1, 2, 2, 4): scipy's ``rankdata(method="min")`` of the
+    negated scores. Which of two tied methods a table lists first is a matter of display, not of rank."""
+    if not scores:
+        return {}
+    from scipy.stats import rankdata
+
+    ranks = rankdata([-float(v) for v in scores.values()], method="min")
+    return {name: int(rank) for name, rank in zip(scores, ranks)}
 
 
 def rank_against_published(
@@ -213,7 +240,7 @@ def rank_against_published(
             if s == setting:
                 entries[method] = (values, mine_info[(s, method)], True)
         means = {m: statistics.fmean(v.values()) for m, (v, _, _) in entries.items()}
-        ranks = _ranks(means)
+        ranks = competition_ranks(means)
         rows = []
         for method, (values, extra, is_new) in entries.items():
             vals = list(values.values())
@@ -221,7 +248,7 @@ def rank_against_published(
             secs = [x for x in extra["s"] if x is not None]
             rows.append({
                 "rank": ranks[method], "method": method, "yours": is_new, "final_accuracy": means[method],
-                "final_accuracy_std": statistics.stdev(vals) if len(vals) > 1 else 0.0, "seeds": len(vals),
+                "final_accuracy_std": statistics.stdev(vals) if len(vals) > 1 else None, "seeds": len(vals),
                 "mb_per_round": statistics.fmean(mbs) if mbs else None,
                 "seconds_per_round": statistics.fmean(secs) if secs else None,
             })  # fmt: skip
@@ -258,16 +285,23 @@ def rank_against_published(
 
 
 def ranking_markdown(suite: Any, ranking: dict[str, Any]) -> str:
+    """ranking.md: per setting, the published and your methods in rank order (report/tables.py writes the
+    tables), then each of your methods paired by seed with every published one."""
+    from .report.groups import format_stat
+    from .report.tables import Cell, markdown_table
+
     lines = [f"# {suite.title}: your methods ranked among the published cells", ""]
     lines += [f"- {note}" for note in ranking["notes"]] + ([""] if ranking["notes"] else [])
     for setting, rows in ranking["settings"].items():
-        lines += [f"## {suite.settings[setting].label}", "", "| rank | method | final acc % | MB/round | s/round | seeds |",
-                  "|---|---|---|---|---|---|"]  # fmt: skip
-        for r in rows:
-            name = f"**{r['method']}** (yours)" if r["yours"] else r["method"]
-            mb = "" if r["mb_per_round"] is None else f"{r['mb_per_round']:.1f}"
-            s = "" if r["seconds_per_round"] is None else f"{r['seconds_per_round']:.1f}"
-            lines.append(f"| {r['rank']} | {name} | {r['final_accuracy']:.2f} ± {r['final_accuracy_std']:.2f} | {mb} | {s} | {r['seeds']} |")
+        table = [
+            [r["rank"], Cell(r["method"], bold=True, after=" (yours)") if r["yours"] else r["method"],
+             format_stat({"mean": r["final_accuracy"], "std": r["final_accuracy_std"]}),
+             "" if r["mb_per_round"] is None else f"{r['mb_per_round']:.1f}",
+             "" if r["seconds_per_round"] is None else f"{r['seconds_per_round']:.1f}", r["seeds"]]
+            for r in rows
+        ]  # fmt: skip
+        lines += [f"## {suite.settings[setting].label}", "",
+                  markdown_table(["rank", "method", "final acc %", "MB/round", "s/round", "seeds"], table)]  # fmt: skip
         lines += ["", "Paired by seed (final accuracy; mean difference [95 % t-interval], seeds ahead):", ""]
         lines += [f"- {v['text']}" for v in ranking["verdicts"] if v["setting"] == setting] + [""]
     return "\n".join(lines)
@@ -278,18 +312,19 @@ def write_ranking(suite: Any, published: dict[str, Any], cells: list[Any], root:
     import torch
 
     from .report.environment import cpu_name
+    from .report.groups import format_stat
 
     ranking = rank_against_published(suite, published, cells, {"cpu": cpu_name(), "torch": torch.__version__})
     text = ranking_markdown(suite, ranking)
-    (root / "ranking.md").write_text(text)
-    (root / "ranking.json").write_text(json.dumps(ranking, indent=1))
+    atomic_write(root / "ranking.md", text)
+    atomic_write(root / "ranking.json", json.dumps(ranking, indent=1))
     for note in ranking["notes"]:
         console.print(f"note: {note}", highlight=False)
     for setting, rows in ranking["settings"].items():
         for row in (r for r in rows if r["yours"]):
             console.print(
                 f"{suite.settings[setting].label}: {row['method']} ranks {row['rank']} of {len(rows)} "
-                f"({row['final_accuracy']:.2f} ± {row['final_accuracy_std']:.2f})", highlight=False,
+                f"({format_stat({'mean': row['final_accuracy'], 'std': row['final_accuracy_std']})})", highlight=False,
             )  # fmt: skip
         for verdict in (v for v in ranking["verdicts"] if v["setting"] == setting):
             console.print(f"  {verdict['text']}", highlight=False)

@@ -14,7 +14,8 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from .bench_rank import FLOPS_FILE, write_cells
+from .bench_rank import FLOPS_FILE, competition_ranks, write_cells
+from .fileio import atomic_open, atomic_write
 from .report.groups import stat
 from .reproduce import method_dir_name
 
@@ -36,10 +37,10 @@ def _flops(cells: list[Any]) -> float | None:
 def leaderboard_rows(
     suite: Any, cells: list[Any], peak_gflops: float | None = None, peak_threads: int = 1
 ) -> list[dict[str, Any]]:
-    """Per setting, one row per method, ranked by final accuracy (mean over the finished seeds); n/a and
-    unfinished methods last. ``peak_gflops``: this machine's bf16 matmul rate on ``peak_threads`` threads (the
-    threads each cell has), measured by this bench, against which each method's achieved rate (FLOPs of a round
-    / seconds per round) is set."""
+    """Per setting, one row per method, ranked by final accuracy (mean over the finished seeds; equal means
+    share the best rank, 1, 2, 2, 4); n/a and unfinished methods last, unranked. ``peak_gflops``: this machine's
+    bf16 matmul rate on ``peak_threads`` threads (the threads each cell has), measured by this bench, against
+    which each method's achieved rate (FLOPs of a round / seconds per round) is set."""
     rows = []
     for setting, spec in suite.settings.items():
         part = []
@@ -74,11 +75,14 @@ def leaderboard_rows(
                 bf16_peak_gflops_per_s=peak_gflops, bf16_peak_threads=peak_threads if peak_gflops else None,
             )  # fmt: skip
             part.append(row)
+        # competition ranks (bench_rank.competition_ranks): equal final accuracies share the best rank; the
+        # name only orders tied rows on the page
         ranked = sorted(
             (r for r in part if r.get("final_accuracy") is not None), key=lambda r: (-r["final_accuracy"], r["method"])
         )
-        for rank, row in enumerate(ranked, 1):
-            row["rank"] = rank
+        ranks = competition_ranks({r["method"]: r["final_accuracy"] for r in ranked})
+        for row in ranked:
+            row["rank"] = ranks[row["method"]]
         rows += ranked + [r for r in part if r.get("final_accuracy") is None]
     return rows
 
@@ -135,16 +139,16 @@ def write_leaderboard(
         labels = {setting: spec.label for setting, spec in suite.settings.items()}
         write_html(suite.title, suite.description, suite.all_notes(), labels, rows, figures, suite.target_accuracy,
                    root / "leaderboard.html", claims)  # fmt: skip
-    (root / "leaderboard.md").write_text(leaderboard_markdown(suite, rows, claims))
+    atomic_write(root / "leaderboard.md", leaderboard_markdown(suite, rows, claims))
     if claims:
         from .report.claims import claims_records
 
-        (root / "claims.json").write_text(json.dumps(claims_records(claims), indent=1))
-    (root / "leaderboard.json").write_text(json.dumps(rows, indent=1))
+        atomic_write(root / "claims.json", json.dumps(claims_records(claims), indent=1))
+    atomic_write(root / "leaderboard.json", json.dumps(rows, indent=1))
     if cells is not None:  # every cell, for `bench --methods` to rank a new method against (bench_rank.py)
         write_cells(suite, cells, root)
     fields = list(dict.fromkeys(k for r in rows for k in r))
-    with open(root / "leaderboard.csv", "w", newline="") as fh:
+    with atomic_open(root / "leaderboard.csv", "w", newline="") as fh:
         writer = csv.DictWriter(fh, fieldnames=fields)
         writer.writeheader()
         writer.writerows(rows)

@@ -378,7 +378,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--download", action="store_true", help="download missing official dataset files")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="override a key in every cell")
     p.add_argument("--methods", metavar="NAME[,NAME]", help="run only these methods' cells (a --plugin method too) and rank them against the suite's published cells")
-    p.add_argument("--published", metavar="CELLS.json", help="with --methods: the published cells (default benchmarks/leaderboards/SUITE/cells.json)")
+    p.add_argument("--published", metavar="CELLS.json", help="with --methods: the published cells (default: the ones that ship with fedistill, benchmarks/leaderboards/SUITE/cells.json in the repository)")
 
     sub.add_parser("list", help="list algorithms, datasets, models, generators, partitions, shipped configs, reproduce presets and bench suites")
     return parser

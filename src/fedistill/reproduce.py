@@ -501,6 +501,7 @@ def comparison_rows(preset, results, columns, methods, seeds, rounds) -> list[di
                     "best_accuracy": statistics.fmean(bests) if bests else None,
                     "best_accuracy_std": statistics.stdev(bests) if len(bests) > 1 else None,
                     "final_accuracy": statistics.fmean(finals) if finals else None,
+                    "final_accuracy_std": statistics.stdev(finals) if len(finals) > 1 else None,
                     "bytes_per_round": statistics.fmean(traffic) if traffic else None,
                     # the FD papers' communication claim: traffic against exchanging the same clients' weights
                     "bytes_vs_weight_exchange": (

@@ -12,9 +12,12 @@ import json
 from pathlib import Path
 from typing import Any
 
+from .fileio import atomic_open, atomic_write
+from .report.tables import markdown_table as write_markdown_table
+
 
 def _acc(value: float | None, std: float | None = None) -> str:
-    """``91.23 ± 0.41`` (report.groups' format, one seed: the mean alone, no mean: ``-``)."""
+    """``91.23 ± 0.41`` (report.groups' format; one seed: ``91.23 ± n/a``; no mean: ``-``)."""
     from .report.groups import format_stat
 
     return format_stat({"mean": value, "std": std})
@@ -66,11 +69,7 @@ def markdown_table(preset, rows: list[dict[str, Any]], rounds: int, seeds: list[
     for column in dict.fromkeys(r["column"] for r in rows):
         part = [r for r in rows if r["column"] == column]
         out.write(f"## {part[0]['setting']}\n\n")
-        out.write(
-            f"| method | ours: best acc % | ours: final acc % | ours: speedup | paper: acc % (speedup) | Δ acc | s/round "
-            f"| × {preset.reference_method} | MB/round | × weight exchange |\n"
-        )
-        out.write("|---|---|---|---|---|---|---|---|---|---|\n")
+        table = []
         for r in part:
             delta = (
                 f"{r['best_accuracy'] - r['published_accuracy']:+.2f}"
@@ -81,10 +80,11 @@ def markdown_table(preset, rows: list[dict[str, Any]], rounds: int, seeds: list[
             ratio = f"{r['seconds_vs_reference']:.2f}" if r["seconds_vs_reference"] else "-"
             traffic = f"{r['bytes_per_round'] / 1e6:.3f}" if r["bytes_per_round"] is not None else "-"
             versus = f"{r['bytes_vs_weight_exchange']:.4g}" if r["bytes_vs_weight_exchange"] is not None else "-"
-            out.write(
-                f"| {r['method']} | {_acc(r['best_accuracy'], r['best_accuracy_std'])} | {_acc(r['final_accuracy'])} | {_speedup(r)} "
-                f"| {_published(r)} | {delta} | {secs} | {ratio} | {traffic} | {versus} |\n"
-            )
+            table.append([r["method"], _acc(r["best_accuracy"], r["best_accuracy_std"]), _acc(r["final_accuracy"], r["final_accuracy_std"]), _speedup(r),
+                          _published(r), delta, secs, ratio, traffic, versus])  # fmt: skip
+        columns = ["method", "ours: best acc %", "ours: final acc %", "ours: speedup", "paper: acc % (speedup)", "Δ acc",
+                   "s/round", f"× {preset.reference_method}", "MB/round", "× weight exchange"]  # fmt: skip
+        out.write(write_markdown_table(columns, table) + "\n")
         out.write("\n")
     return out.getvalue()
 
@@ -92,16 +92,16 @@ def markdown_table(preset, rows: list[dict[str, Any]], rounds: int, seeds: list[
 def write_tables(preset, rows: list[dict[str, Any]], root: Path, rounds: int, seeds: list[int], claims: list[dict[str, Any]] | None = None,
                  provisional: str | None = None) -> None:
     root.mkdir(parents=True, exist_ok=True)
-    (root / "table.md").write_text(markdown_table(preset, rows, rounds, seeds, claims, provisional))
+    atomic_write(root / "table.md", markdown_table(preset, rows, rounds, seeds, claims, provisional))
     if claims:
         from .report.claims import claims_records
 
-        (root / "claims.json").write_text(json.dumps(claims_records(claims), indent=1))
-    with open(root / "table.csv", "w", newline="") as fh:
+        atomic_write(root / "claims.json", json.dumps(claims_records(claims), indent=1))
+    with atomic_open(root / "table.csv", "w", newline="") as fh:
         writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
-    (root / "table.json").write_text(json.dumps(rows, indent=1))
+    atomic_write(root / "table.json", json.dumps(rows, indent=1))
 
 
 def print_table(console, preset, rows: list[dict[str, Any]], rounds: int, seeds: list[int], root: Path) -> None:

@@ -17,10 +17,16 @@ wires them into the round.
 
 Our resolutions where the card leaves room (each also noted where it is implemented):
 
-* Ties in the linkage: of the pairs of current clusters at the smallest average distance, the pair ``(i, j)``,
-  ``i < j``, that comes first in lexicographic order of cluster-creation ids is merged (clients are
-  ``0..n−1`` in client-id order, the m-th merge creates cluster ``n + m``). scipy's ``linkage(…, "average")``
-  gives the same merges on our tie tests.
+* The dendrogram is scipy's ``linkage(…, method="average")`` on the float64 Euclidean distances (clients are
+  ``0..n−1`` in client-id order, the m-th merge creates cluster ``n + m``), and ties in the linkage follow
+  scipy (card ambiguity c). scipy grows a nearest-neighbour chain over the live clusters, each known by the
+  largest client index among its members: an empty chain starts at the cluster with the smallest index, the
+  chain steps from its last cluster to the nearest other one (of equally near ones the chain's previous
+  cluster, else the smallest index), and two clusters that are each other's step are merged; the merges are
+  then listed by increasing distance, equal distances in the order they were made. Until issue 62 a
+  hand-written O(n³) loop merged, of the tied pairs, the lexicographically first in creation ids: the two
+  give the same merges except on exact ties (e.g. identical clients: scipy chains them one by one, the loop
+  paired them).
 * Tree: the root (level L+1) is the last merge. Expanding a node at level ℓ ≥ 2, each of its two dendrogram
   children becomes a node at level ℓ−1, except a single client, which is attached to the level-ℓ node
   directly, whatever ℓ ≥ 2 is (the card's "a client met above level 1 is attached directly", as the reference
@@ -106,40 +112,31 @@ def pairwise_distances(vectors: torch.Tensor) -> torch.Tensor:
 def average_linkage_dendrogram(vectors: torch.Tensor) -> list[Merge]:
     """The full average-linkage (UPGMA) dendrogram of the rows of ``vectors`` (card §5 step 1).
 
-    The distance of two clusters is the mean of the Euclidean distances between their members. It is kept
-    as the float64 sum of those distances (a merged cluster's sums are the sums of its two parts) divided by
-    the product of the sizes when compared, i.e. literally the mean, with no Lance–Williams re-weighting of
-    already rounded means. Each step merges the closest pair; ties go to the pair ``(i, j)``, ``i < j``, that
-    is first in lexicographic order of cluster-creation ids (module docstring). O(n³) time, O(n²) memory:
-    meant for the few hundred clients of a round.
+    The distance of two clusters is the mean of the Euclidean distances between their members. The merges are
+    scipy's ``linkage(…, method="average")`` on :func:`pairwise_distances` (float64), read off its linkage
+    matrix: row m ``[left, right, distance, size]`` is merge m, which creates cluster ``n + m``; scipy lists
+    the merges by increasing distance and puts the smaller id first. Ties (equal cluster distances) are broken
+    the way scipy breaks them (module docstring). One vector: no merge.
     """
     n = int(vectors.shape[0])
     if n == 0:
         raise ValueError("average_linkage_dendrogram: no vectors")
-    total = 2 * n - 1
-    sums = torch.zeros(total, total, dtype=torch.float64)
-    sums[:n, :n] = pairwise_distances(vectors)
-    sizes = torch.zeros(total, dtype=torch.float64)
-    sizes[:n] = 1.0
-    active = list(range(n))  # live clusters, ascending creation id (a new cluster has the largest id)
-    merges: list[Merge] = []
-    for step in range(n - 1):
-        idx = torch.tensor(active)
-        size = sizes[idx]
-        mean = sums[idx][:, idx] / (size[:, None] * size[None, :])
-        mean.fill_diagonal_(float("inf"))
-        # The matrix is exactly symmetric, so the first minimum in row-major order lies above the diagonal
-        # and is the lexicographically smallest (row, column) pair: our tie rule.
-        p, q = divmod(int(torch.argmin(mean)), len(active))
-        p, q = min(p, q), max(p, q)
-        a, b = active[p], active[q]
-        new = n + step
-        sums[new] = sums[a] + sums[b]
-        sums[:, new] = sums[new]
-        sizes[new] = sizes[a] + sizes[b]
-        merges.append(Merge(a, b, float(mean[p, q]), int(sizes[new])))
-        active = [c for c in active if c not in (a, b)] + [new]
-    return merges
+    if n == 1:
+        return []
+    import numpy as np
+    from scipy.cluster.hierarchy import linkage
+    from scipy.spatial.distance import squareform
+
+    condensed = squareform(pairwise_distances(vectors).numpy(), checks=False)  # the upper triangle, row by row
+    finite = np.isfinite(condensed)
+    if not finite.all():
+        # A client whose update diverged (NaN/inf weights) still gets a place in the tree: the engine flags the
+        # round as diverged once the aggregate is non-finite, which it is whatever the tree. scipy refuses
+        # non-finite distances, so they become one common distance beyond every finite one.
+        far = 2.0 * float(condensed[finite].max()) + 1.0 if finite.any() else 1.0
+        condensed = np.where(finite, condensed, far)
+    table = linkage(condensed, method="average")
+    return [Merge(int(left), int(right), float(distance), int(size)) for left, right, distance, size in table]
 
 
 # -- the hierarchy ---------------------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ from typing import Any, Iterable, Sequence
 
 from ..errors import ConfigError
 from .rundir import _atomic_write, _clean
+from .tables import Column, markdown_table
 
 GROUP_JSON = "group.json"
 GROUP_MD = "group.md"
@@ -97,12 +98,17 @@ def group_summary(summaries: dict[int, dict[str, Any]]) -> dict[str, Any]:
     return group
 
 
+NO_STD = "n/a"
+"""How a table shows a standard deviation that is undefined (one seed): the data holds None (:func:`stat`), never 0."""
+
+
 def format_stat(value: dict[str, Any] | None, spec: str = ".2f") -> str:
-    """``91.23 ± 0.41``; without a standard deviation (one seed) only the mean; ``-`` without a mean."""
+    """``91.23 ± 0.41``; ``91.23 ± n/a`` when the standard deviation is undefined (one seed, None in the data);
+    ``-`` without a mean."""
     if not value or value.get("mean") is None:
         return "-"
-    text = format(value["mean"], spec)
-    return text if value.get("std") is None else f"{text} ± {format(value['std'], spec)}"
+    std = value.get("std")
+    return f"{format(value['mean'], spec)} ± {NO_STD if std is None else format(std, spec)}"
 
 
 def format_to_target(group: dict[str, Any]) -> str:
@@ -122,7 +128,7 @@ def _cell(value: Any, spec: str = ".2f") -> str:
 
 
 def group_markdown(group: dict[str, Any], title: str = "") -> str:
-    """``group.md``: one row per seed, then the mean ± std row."""
+    """``group.md``: one row per seed, then the mean ± std row (report/tables.py writes the table)."""
     metric = group.get("accuracy_metric") or "global"
     target = group.get("target_accuracy")
     lines = [
@@ -133,19 +139,18 @@ def group_markdown(group: dict[str, Any], title: str = "") -> str:
         + "; mean ± sample standard deviation (ddof=1) over the seeds whose run did not diverge "
         + f"({group['counted']}); rounds to target over the seeds that reached it.",
         "",
-        "| seed | run | status | final acc % | best acc % | best round | to target | seconds |",
-        "|---|---|---|---:|---:|---:|---:|---:|",
     ]
+    columns = [Column("seed"), Column("run"), Column("status")] + [
+        Column(title, align="right") for title in ("final acc %", "best acc %", "best round", "to target", "seconds")
+    ]
+    rows = []
     for e in group["runs"]:
         to_target = "-" if target is None else (str(e["rounds_to_target"]) if e["rounds_to_target"] is not None else "not reached")
-        lines.append(
-            f"| {e['seed']} | {e['dir']} | {e['status'] or '-'} | {_cell(e['final_accuracy'])} | {_cell(e['best_accuracy'])} "
-            f"| {_cell(e['best_round'])} | {to_target} | {_cell(e['seconds'], '.1f')} |"
-        )
-    lines.append(
-        f"| mean ± std | | | {format_stat(group['final_accuracy'])} | {format_stat(group['best_accuracy'])} "
-        f"| {format_stat(group['best_round'], '.1f')} | {format_to_target(group)} | {format_stat(group['seconds'], '.1f')} |"
-    )
+        rows.append([e["seed"], e["dir"], e["status"] or "-", _cell(e["final_accuracy"]), _cell(e["best_accuracy"]),
+                     _cell(e["best_round"]), to_target, _cell(e["seconds"], ".1f")])  # fmt: skip
+    rows.append(["mean ± std", "", "", format_stat(group["final_accuracy"]), format_stat(group["best_accuracy"]),
+                 format_stat(group["best_round"], ".1f"), format_to_target(group), format_stat(group["seconds"], ".1f")])  # fmt: skip
+    lines.append(markdown_table(columns, rows))
     return "\n".join(lines) + "\n"
 
 
@@ -200,9 +205,9 @@ def group_members(path: Path) -> list[Path] | None:
     return members or None
 
 
-def mean_curve(curves: Sequence[Sequence[tuple[int, float]]]) -> tuple[list[int], list[float], list[float]]:
-    """Per round, the mean and sample standard deviation (0 with one curve) of several seeds' accuracy
-    curves, over only the rounds that every curve has."""
+def mean_curve(curves: Sequence[Sequence[tuple[int, float]]]) -> tuple[list[int], list[float], list[float] | None]:
+    """Per round, the mean and sample standard deviation of several seeds' accuracy curves, over only the rounds
+    that every curve has. One curve has no standard deviation (None, as :func:`stat` says it: no band to draw)."""
     if not curves:
         return [], [], []
     common = set.intersection(*({r for r, _ in c} for c in curves))
@@ -212,5 +217,6 @@ def mean_curve(curves: Sequence[Sequence[tuple[int, float]]]) -> tuple[list[int]
     for r in rounds:
         xs = [float(c[r]) for c in by_round]
         means.append(statistics.fmean(xs))
-        stds.append(statistics.stdev(xs) if len(xs) > 1 else 0.0)
-    return rounds, means, stds
+        if len(xs) > 1:
+            stds.append(statistics.stdev(xs))
+    return rounds, means, stds if len(curves) > 1 else None

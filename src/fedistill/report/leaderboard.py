@@ -16,6 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from .groups import format_stat, mean_curve
+from .plots import text_width_points
+from ..fileio import atomic_write
+from .tables import Cell, Column, html_header, html_table, markdown_table
 
 __all__ = [
     "PAPER_SYSTEMS", "highlighted_methods", "leaderboard_figure", "leaderboard_markdown", "plot_setting",
@@ -37,8 +40,9 @@ def highlighted_methods(rows: list[dict[str, Any]], top: int = TOP_METHODS, syst
     rank, the papers' ``systems`` and the ``baseline``, in rank order; the rest are drawn in grey, unnamed.
 
     Only ranked rows count (a method without a final accuracy, n/a or unfinished, is not drawn at all). A method
-    with the same final accuracy as the last of the ``top`` is kept too: which of two equal methods is named should
-    not depend on the alphabetical order the leaderboard breaks ties with. Names are matched case-insensitively.
+    with the same final accuracy as the last of the ``top`` is kept too: equal methods share a rank (1, 2, 2, 4),
+    and which of them is named should not depend on the alphabetical order the table lists them in. Names are
+    matched case-insensitively.
     """
     ranked = sorted(
         (r for r in rows if r.get("final_accuracy") is not None),
@@ -74,7 +78,7 @@ def _spread_labels(axis, points: list[tuple[str, float, float, Any]], dpi: float
     on_screen = [(method, *axis.transData.transform((x, y)), x, y, colour) for method, x, y, colour in points]
     for method, px, py, x, y, colour in sorted(on_screen, key=lambda p: -p[2]):
         left = px + 4 * pixels_per_point
-        right = left + 0.62 * LABEL_SIZE * pixels_per_point * len(method)  # a character's width, roughly
+        right = left + text_width_points(method, LABEL_SIZE) * pixels_per_point  # the label's measured width
         label_y = py + 3 * pixels_per_point
         moved = True
         while moved:
@@ -126,8 +130,9 @@ def leaderboard_figure(label: str, rows: list[dict[str, Any]], curves: dict[str,
         text = f"#{row['rank']} {method}" if row.get("rank") is not None else method
         if rounds:
             axes[0].plot(rounds, mean, color=colour, linestyle=style, linewidth=1.8, label=text, zorder=3)
-            axes[0].fill_between(rounds, [m - d for m, d in zip(mean, std)], [m + d for m, d in zip(mean, std)],
-                                 color=colour, alpha=0.12, linewidth=0, zorder=2)  # fmt: skip
+            if std is not None:  # one seed: no band
+                axes[0].fill_between(rounds, [m - d for m, d in zip(mean, std)], [m + d for m, d in zip(mean, std)],
+                                     color=colour, alpha=0.12, linewidth=0, zorder=2)  # fmt: skip
         else:  # no curve to draw, yet the method is named in the legend as it is beside its points
             axes[0].plot([], [], color=colour, linestyle=style, linewidth=1.8, label=text)
         for axis, key in ((axes[1], "mb_per_round"), (axes[2], "seconds_per_round")):
@@ -172,12 +177,6 @@ def plot_setting(label: str, rows: list[dict[str, Any]], curves: dict[str, list[
     return path
 
 
-def _cell(value: Any, spec: str = ".2f") -> str:
-    if value is None or (isinstance(value, float) and math.isnan(value)):
-        return "-"
-    return format(value, spec) if isinstance(value, (int, float)) else html.escape(str(value))
-
-
 # Sorts a table of the page by a click on a column header, inline so that the page still opens without a network.
 # A numeric column sorts by the number a cell starts with ("85.04 ± 3.79" by 85.04, "12.5 (3/3)" by 12.5); cells
 # without one ("n/r (0/3)", "-", an n/a row's missing cells) go last whichever the direction. The first click sorts
@@ -215,9 +214,32 @@ function lbSort(th) {
 
 def sortable_header(text: str, numeric: bool = False, classes: str = "") -> str:
     """A ``<th>`` that sorts its table by its column when clicked (``SORT_SCRIPT``), numerically or as text."""
-    kind = "num" if numeric else "text"
-    cls = f" class='{classes}'" if classes else ""
-    return f"<th{cls} data-type='{kind}' onclick='lbSort(this)' title='sort by this column'>{html.escape(text)}</th>"
+    return html_header(Column(text, numeric=numeric, cls=classes), sortable=True)
+
+
+def _setting_table(rows: list[dict[str, Any]], setting: str, target_head: str) -> tuple[list[Column], list[list[Any]], list[str | None]]:
+    """One setting's leaderboard as (columns, cells, row classes), which the Markdown and the HTML page both write
+    (report/tables.py): an n/a method's reason spans the columns after its name."""
+    columns = [Column("rank", numeric=True), Column("method", cls="m"), Column("final acc %", numeric=True),
+               Column("best acc %", numeric=True), Column("metric"), Column(target_head, numeric=True),
+               Column("MB/round", numeric=True), Column("s/round", numeric=True), Column("GFLOP/round", numeric=True),
+               Column("% of bf16 peak", numeric=True), Column("seeds", numeric=True)]  # fmt: skip
+    cells: list[list[Any]] = []
+    classes: list[str | None] = []
+    for r in (r for r in rows if r["setting"] == setting):
+        if r["status"] == "n/a":
+            cells.append(["-", r["method"], Cell(f"n/a: {r['why']}", cls="m", span=len(columns) - 2)])
+            classes.append("na")
+            continue
+        reach = "-" if r.get("reached_target") is None else (f"{r['rounds_to_target']:.1f} ({r['reached_target']})" if r.get("rounds_to_target") is not None else f"n/r ({r['reached_target']})")
+        cells.append([
+            r.get("rank", "-"), r["method"], format_stat({"mean": r["final_accuracy"], "std": r["final_accuracy_std"]}),
+            format_stat({"mean": r["best_accuracy"], "std": r["best_accuracy_std"]}), _num(r.get("metric"), ""), reach,
+            _num(r.get("mb_per_round"), ".3f"), _num(r.get("seconds_per_round"), ".2f"),
+            _num(r.get("gflops_per_round"), ".2f"), _num(r.get("percent_of_bf16_peak"), ".1f"), seeds_text(r),
+        ])  # fmt: skip
+        classes.append(None)
+    return columns, cells, classes
 
 
 def write_html(title: str, description: str, notes: list[str], settings: dict[str, str], rows: list[dict[str, Any]],
@@ -244,24 +266,8 @@ def write_html(title: str, description: str, notes: list[str], settings: dict[st
     parts.append("<p><i>Click a column header to sort its table by that column; click it again to reverse.</i></p>")
     for setting, label in settings.items():
         parts.append(f"<h2 id='{html.escape(setting)}'>{html.escape(label)}</h2>")
-        columns = [("rank", True, ""), ("method", False, "m"), ("final acc %", True, ""), ("best acc %", True, ""),
-                   ("metric", False, ""), (target_head, True, ""), ("MB/round", True, ""), ("s/round", True, ""),
-                   ("GFLOP/round", True, ""), ("% of bf16 peak", True, ""), ("seeds", True, "")]  # fmt: skip
-        parts.append("<table><thead><tr>" + "".join(sortable_header(*c) for c in columns) + "</tr></thead><tbody>")
-        for r in (r for r in rows if r["setting"] == setting):
-            if r["status"] == "n/a":
-                parts.append(f"<tr class='na'><td>-</td><td class='m'>{html.escape(r['method'])}</td><td colspan='9' class='m'>n/a: {html.escape(r['why'])}</td></tr>")
-                continue
-            final = format_stat({"mean": r["final_accuracy"], "std": r["final_accuracy_std"]})
-            best = format_stat({"mean": r["best_accuracy"], "std": r["best_accuracy_std"]})
-            reach = "-" if r.get("reached_target") is None else (f"{r['rounds_to_target']:.1f} ({r['reached_target']})" if r.get("rounds_to_target") is not None else f"n/r ({r['reached_target']})")
-            parts.append(
-                f"<tr><td>{r.get('rank', '-')}</td><td class='m'>{html.escape(r['method'])}</td><td>{final}</td><td>{best}</td>"
-                f"<td>{_cell(r.get('metric'))}</td><td>{html.escape(reach)}</td><td>{_cell(r.get('mb_per_round'), '.3f')}</td>"
-                f"<td>{_cell(r.get('seconds_per_round'))}</td><td>{_cell(r.get('gflops_per_round'))}</td>"
-                f"<td>{_cell(r.get('percent_of_bf16_peak'), '.1f')}</td><td>{seeds_text(r)}</td></tr>"
-            )
-        parts.append("</tbody></table>")
+        columns, cells, classes = _setting_table(rows, setting, target_head)
+        parts.append(html_table(columns, cells, sortable=True, row_classes=classes))
         figure = figures.get(setting)
         if figure is not None and figure.is_file():
             data = base64.b64encode(figure.read_bytes()).decode("ascii")
@@ -271,17 +277,14 @@ def write_html(title: str, description: str, notes: list[str], settings: dict[st
 
         parts.append(f"<h2 id='claims'>{CLAIMS_HEADING}</h2><p>{html.escape(CLAIMS_INTRO)}</p>")
         claim_columns = ("claim", "setting", "metric", "mean ± std", "paired difference [95 %]", "seeds", "verdict")
-        parts.append("<table><thead><tr>" + "".join(sortable_header(c, classes="m") for c in claim_columns) + "</tr></thead><tbody>")
+        claim_rows = []
         for row in claims:
             cells = claim_cells(row)
-            parts.append(
-                "<tr>" + "".join(f"<td class='m'>{html.escape(str(v))}</td>" for v in (
-                    row["claim"], row["setting"], METRICS[row["metric"]][0], cells["values"], cells["difference"], cells["seeds"]
-                )) + f"<td class='m'><b>{html.escape(cells['verdict'])}</b></td></tr>"
-            )  # fmt: skip
-        parts.append("</tbody></table>")
+            claim_rows.append([row["claim"], row["setting"], METRICS[row["metric"]][0], cells["values"], cells["difference"],
+                               cells["seeds"], Cell(cells["verdict"], bold=True)])  # fmt: skip
+        parts.append(html_table([Column(c, cls="m") for c in claim_columns], claim_rows, sortable=True))
     parts.append("</body></html>")
-    path.write_text("\n".join(parts), encoding="utf-8")
+    atomic_write(path, "\n".join(parts))
     return path
 
 
@@ -331,22 +334,8 @@ def leaderboard_markdown(suite, rows: list[dict[str, Any]], claims: list[dict[st
     lines += [f"- {note}" for note in notes] + ([""] if notes else [])
     target = f"rounds to {suite.target_accuracy:g} %" if suite.target_accuracy is not None else "rounds to target"
     for setting, spec in suite.settings.items():
-        lines += [
-            f"## {spec.label}", "",
-            f"| rank | method | final acc % | best acc % | metric | {target} | MB/round | s/round | GFLOP/round | % of bf16 peak | seeds |",
-            "|---|---|---|---|---|---|---|---|---|---|---|",
-        ]  # fmt: skip
-        for r in (r for r in rows if r["setting"] == setting):
-            if r["status"] == "n/a":
-                lines.append(f"| - | {r['method']} | n/a: {r['why'].replace('|', '/')} | | | | | | | | |")
-                continue
-            reach = "-" if r["reached_target"] is None else (f"{r['rounds_to_target']:.1f} ({r['reached_target']})" if r["rounds_to_target"] is not None else f"n/r ({r['reached_target']})")
-            seeds = seeds_text(r)
-            lines.append(
-                f"| {r.get('rank', '-')} | {r['method']} | {format_stat({'mean': r['final_accuracy'], 'std': r['final_accuracy_std']})} | "
-                f"{format_stat({'mean': r['best_accuracy'], 'std': r['best_accuracy_std']})} | {r['metric']} | {reach} | {_num(r['mb_per_round'], '.3f')} | "
-                f"{_num(r['seconds_per_round'], '.2f')} | {_num(r['gflops_per_round'], '.2f')} | {_num(r['percent_of_bf16_peak'], '.1f')} | {seeds} |"
-            )
+        columns, cells, _ = _setting_table(rows, setting, target)
+        lines += [f"## {spec.label}", "", markdown_table(columns, cells)]
         lines.append("")
     if claims:
         from .claims import claims_markdown

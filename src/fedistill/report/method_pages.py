@@ -21,6 +21,8 @@ import yaml
 from pydantic.fields import FieldInfo
 
 from ..registry import ALGORITHMS
+from .groups import format_stat
+from .tables import Cell, escape_markdown, markdown_table
 
 # Constraint classes of annotated_types, as pydantic stores them in FieldInfo.metadata: attribute -> symbol.
 _BOUNDS = {"ge": "≥", "gt": ">", "le": "≤", "lt": "<", "min_length": "length ≥", "max_length": "length ≤"}
@@ -93,17 +95,15 @@ def parameter_rows(params_cls: Any) -> list[ParameterRow]:
     ]
 
 
-def markdown_cell(text: Any) -> str:
-    """Text safe inside a Markdown table cell."""
-    return str(text).replace("|", "\\|").replace("\n", " ")
+markdown_cell = escape_markdown
+"""Text safe inside a Markdown table cell (report/tables.py's one rule; the name kept for its callers)."""
 
 
 def parameter_table(rows: list[ParameterRow]) -> str:
     if not rows:
         return "This method has no parameters of its own.\n"
-    lines = ["| parameter | default | description | constraints |", "|---|---|---|---|"]
-    lines += [f"| `{r.name}` | `{markdown_cell(r.default)}` | {markdown_cell(r.description)} | {markdown_cell(r.constraints)} |" for r in rows]
-    return "\n".join(lines) + "\n"
+    table = [[Cell(r.name, code=True), Cell(r.default, code=True), r.description, r.constraints] for r in rows]
+    return markdown_table(["parameter", "default", "description", "constraints"], table) + "\n"
 
 
 def card_of(name: str, cls: type, spec_dir: Path) -> Path | None:
@@ -184,20 +184,21 @@ def method_page(name: str, root: Path) -> str:
     presets = presets_using(name, [root / "configs" / "reproduce", root / "benchmarks" / "presets"])
     lines += ["## Presets that run it", ""]
     if presets:
-        lines += ["| preset | title | as |", "|---|---|---|"]
-        lines += [f"| `{p}` | {markdown_cell(t)} | {', '.join(markdown_cell(label) for label in ls)} |" for p, t, ls in presets]
+        lines += [markdown_table(["preset", "title", "as"], [[Cell(p, code=True), t, ", ".join(ls)] for p, t, ls in presets])]
         lines += ["", "Run one with `fedistill reproduce PRESET` (a file under benchmarks/presets/ by its path)."]
     else:
         lines += ["No preset runs it."]
     lines += ["", "## Leaderboard rows", ""]
     rows = leaderboard_rows(name, root / "benchmarks" / "leaderboards")
     if rows:
-        lines += ["| suite | setting | rank | final acc % | MB/round | s/round | seeds |", "|---|---|---|---|---|---|---|"]
+        table = []
         for suite, r in rows:
-            accuracy = "n/a" if r.get("final_accuracy") is None else f"{r['final_accuracy']:.2f} ± {r.get('final_accuracy_std') or 0:.2f}"
+            # a one-seed std is None in leaderboard.json and n/a here (format_stat), never 0
+            accuracy = "n/a" if r.get("final_accuracy") is None else format_stat({"mean": r["final_accuracy"], "std": r.get("final_accuracy_std")})
             seconds = "" if r.get("seconds_per_round") is None else f"{r['seconds_per_round']:.1f}"
             mb = "" if r.get("mb_per_round") is None else f"{r['mb_per_round']:.1f}"
-            lines.append(f"| {suite} | {markdown_cell(r.get('label', r['setting']))} | {r.get('rank', '')} | {accuracy} | {mb} | {seconds} | {r.get('finished', '')}/{r.get('seeds', '')} |")
+            table.append([suite, r.get("label", r["setting"]), r.get("rank"), accuracy, mb, seconds, f"{r.get('finished', '')}/{r.get('seeds', '')}"])
+        lines += [markdown_table(["suite", "setting", "rank", "final acc %", "MB/round", "s/round", "seeds"], table)]
     else:
         lines += ["Not in a published leaderboard yet."]
     lines += ["", "## Claims", ""]
@@ -205,11 +206,8 @@ def method_page(name: str, root: Path) -> str:
 
     claims = claims_naming(name, sorted((root / "benchmarks").glob("**/claims.json")))
     if claims:
-        lines += ["| source | claim | setting | metric | verdict |", "|---|---|---|---|---|"]
-        lines += [
-            f"| {src} | {markdown_cell(c['claim'])} | {markdown_cell(c.get('setting', ''))} | {c.get('metric', '')} | {c.get('verdict', '')}{provisional_text(c)} |"
-            for src, c in claims
-        ]
+        table = [[src, c["claim"], c.get("setting", ""), c.get("metric", ""), c.get("verdict", "") + provisional_text(c)] for src, c in claims]
+        lines += [markdown_table(["source", "claim", "setting", "metric", "verdict"], table)]
     else:
         lines += ["No recorded claim names it."]
     return "\n".join(lines) + "\n"
@@ -218,6 +216,6 @@ def method_page(name: str, root: Path) -> str:
 def methods_index(root: Path) -> str:
     """The Methods section's landing page: every registered method with its one-line help."""
     lines = ["# Methods", "", "Every method registered in fedistill, one generated page each.", ""]
-    lines += ["| method | what it does |", "|---|---|"]
-    lines += [f"| [`{name}`]({name}.md) | {markdown_cell(ALGORITHMS.describe(name))} |" for name in ALGORITHMS.names()]
+    table = [[Cell(name, code=True, href=f"{name}.md"), ALGORITHMS.describe(name)] for name in ALGORITHMS.names()]
+    lines += [markdown_table(["method", "what it does"], table)]
     return "\n".join(lines) + "\n"

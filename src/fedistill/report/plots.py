@@ -172,8 +172,24 @@ def _open_flat_y(ax: "Axes", span: float = 10.0) -> None:
         ax.set_ylim(lo, lo + span)
 
 
+LEGEND_FONT_SIZE = 8.5  # points
+
+
+def text_width_points(text: str, size: float) -> float:
+    """The width of ``text`` set in matplotlib's default font at ``size`` points, in points, as matplotlib measures
+    it (its text-to-path layout: no figure or renderer needed, the same at every dpi)."""
+    from matplotlib.font_manager import FontProperties
+    from matplotlib.textpath import TextToPath
+
+    width, _, _ = TextToPath().get_text_width_height_descent(text, FontProperties(size=size), ismath=False)
+    return float(width)
+
+
 def _legend_columns(labels: Sequence[str], width: float) -> int:
-    entry = 0.75 + 0.075 * max((len(s) for s in labels), default=1)  # inches: handle, gap, text at 8.5 pt
+    """How many legend entries fit side by side in ``width`` inches: each takes the handle and the gaps around it
+    (0.75 in) and the widest label's measured text."""
+    widest = max((text_width_points(s, LEGEND_FONT_SIZE) for s in labels), default=0.0)
+    entry = 0.75 + widest / 72
     return max(1, min(len(labels), int(width // entry)))
 
 
@@ -187,7 +203,7 @@ def _legend_below(fig: "Figure", ax: "Axes") -> None:
     handles, labels = ax.get_legend_handles_labels()
     if handles:
         ncols = _legend_columns(labels, fig.get_figwidth())
-        fig.legend(handles, labels, loc="outside lower center", ncols=ncols, fontsize=8.5, frameon=False)
+        fig.legend(handles, labels, loc="outside lower center", ncols=ncols, fontsize=LEGEND_FONT_SIZE, frameon=False)
 
 
 # --- accuracy per round ---------------------------------------------------------------------------------

@@ -13,7 +13,10 @@ import sys
 from pathlib import Path
 
 from ..registry import ALGORITHMS
+from .groups import format_stat
 from .method_pages import card_of
+from .tables import Cell, markdown_table
+from ..fileio import atomic_write
 
 SYSTEMS = ("fedlmd", "fedlmd_tf", "fedftg", "fedict", "dafkd")  # the four papers' systems (FedLMD-Tf: its variant)
 
@@ -22,13 +25,12 @@ def methods_block(root: Path) -> str:
     """Every registered method: its name linked to its card in spec/ (the site has a page for each), its one line."""
     import fedistill.algorithms.build  # noqa: F401  (registers every built-in method)
 
-    lines = ["| method | kind | what it does |", "|---|---|---|"]
+    rows = []
     for name in ALGORITHMS.names():
         card = card_of(name, ALGORITHMS.get(name), root / "spec")
-        link = f"[`{name}`](spec/{card.name})" if card is not None else f"`{name}`"
-        kind = "system" if name in SYSTEMS else "baseline"
-        lines.append(f"| {link} | {kind} | {ALGORITHMS.describe(name).replace('|', '/')} |")
-    return "\n".join(lines)
+        link = Cell(name, code=True, href=None if card is None else f"spec/{card.name}")
+        rows.append([link, "system" if name in SYSTEMS else "baseline", ALGORITHMS.describe(name)])
+    return markdown_table(["method", "kind", "what it does"], rows)
 
 
 def leaderboard_block(root: Path, top: int = 5) -> str:
@@ -38,15 +40,15 @@ def leaderboard_block(root: Path, top: int = 5) -> str:
         suite = path.parent.name
         rows = json.loads(path.read_text(encoding="utf-8"))
         settings = list(dict.fromkeys(r["setting"] for r in rows))
-        lines += ["| suite, setting | rank | method | final acc % | MB/round | s/round |", "|---|---|---|---|---|---|"]
+        table = []
         for setting in settings:
             ranked = sorted((r for r in rows if r["setting"] == setting and r.get("rank") is not None), key=lambda r: r["rank"])
             for r in ranked[:top]:
-                lines.append(
-                    f"| {suite}, {r.get('label', setting)} | {r['rank']} | {r['method']} | "
-                    f"{r['final_accuracy']:.2f} ± {r.get('final_accuracy_std') or 0:.2f} | {r['mb_per_round']:.1f} | "
-                    f"{r['seconds_per_round']:.1f} |"
-                )
+                # a one-seed std is None in leaderboard.json and n/a here (format_stat), never 0
+                table.append([f"{suite}, {r.get('label', setting)}", r["rank"], r["method"],
+                              format_stat({"mean": r["final_accuracy"], "std": r.get("final_accuracy_std")}),
+                              f"{r['mb_per_round']:.1f}", f"{r['seconds_per_round']:.1f}"])  # fmt: skip
+        lines += [markdown_table(["suite, setting", "rank", "method", "final acc %", "MB/round", "s/round"], table)]
         lines += ["", f"![{suite}: {settings[-1]}](benchmarks/leaderboards/{suite}/leaderboard_{settings[-1]}.png)", ""]
     return "\n".join(lines).rstrip()
 
@@ -67,7 +69,7 @@ def rewrite(readme: str, root: Path) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     path = Path((argv or sys.argv[1:] or ["README.md"])[0])
-    path.write_text(rewrite(path.read_text(encoding="utf-8"), path.resolve().parent), encoding="utf-8")
+    atomic_write(path, rewrite(path.read_text(encoding="utf-8"), path.resolve().parent))
     return 0
 
 

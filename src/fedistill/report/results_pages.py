@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from .claims import provisional_text
-from .method_pages import markdown_cell
+from .groups import format_stat
+from .tables import Cell, markdown_table
 
 # Topic of a RESULTS.md section, by the first keyword its heading contains (checked in this order).
 TOPICS: list[tuple[str, str, tuple[str, ...]]] = [
@@ -39,10 +40,7 @@ def _number(value: float | None, digits: int = 2, signed: bool = False) -> str:
 
 def claims_table(claims_files: list[tuple[str, Path]]) -> str:
     """One row per link of every claim in ``claims_files`` ((source label, path) pairs)."""
-    lines = [
-        "| source | claim | setting | metric | link | paired difference [95 %] | ahead | Wilcoxon p | verdict |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
+    table = []
     for source, path in claims_files:
         for claim in json.loads(path.read_text(encoding="utf-8")):
             for link in claim.get("links", []):
@@ -53,12 +51,13 @@ def claims_table(claims_files: list[tuple[str, Path]]) -> str:
                     interval = _number(link["mean_difference"], signed=True) + bounds
                 ahead = f"{link.get('a_wins', '')}/{link.get('n', '')}" if link.get("n") else ""
                 p = _number(link.get("wilcoxon_p"), 3) if link.get("wilcoxon_p") is not None else ""
-                lines.append(
-                    f"| {markdown_cell(source)} | {markdown_cell(claim['claim'])} | {markdown_cell(claim.get('setting', ''))} | "
-                    f"{markdown_cell(claim.get('metric', ''))} | {markdown_cell(link['a'])} {link.get('relation', '')} {markdown_cell(link['b'])} | "
-                    f"{interval} | {ahead} | {p} | {markdown_cell(link.get('verdict', claim.get('verdict', '')) + provisional_text(claim))} |"
-                )
-    return "\n".join(lines) + "\n"
+                table.append([
+                    source, claim["claim"], claim.get("setting", ""), claim.get("metric", ""),
+                    f"{link['a']} {link.get('relation', '')} {link['b']}", interval, ahead, p,
+                    link.get("verdict", claim.get("verdict", "")) + provisional_text(claim),
+                ])  # fmt: skip
+    columns = ["source", "claim", "setting", "metric", "link", "paired difference [95 %]", "ahead", "Wilcoxon p", "verdict"]
+    return markdown_table(columns, table) + "\n"
 
 
 def leaderboard_page(suite: str, suite_dir: Path, image_prefix: str) -> str:
@@ -76,20 +75,18 @@ def leaderboard_page(suite: str, suite_dir: Path, image_prefix: str) -> str:
         figure = suite_dir / f"leaderboard_{setting}.png"
         if figure.exists():
             lines += [f"![{suite}, {setting}]({image_prefix}/{figure.name})", ""]
-        lines += [
-            "| rank | method | final acc % | best acc % | metric | MB/round | s/round | GFLOP/round | % of bf16 peak | seeds |",
-            "|---|---|---|---|---|---|---|---|---|---|",
-        ]
+        table = []
         for r in chosen:
-            final = "n/a" if r.get("final_accuracy") is None else f"{r['final_accuracy']:.2f} ± {r.get('final_accuracy_std') or 0:.2f}"
-            best = "" if r.get("best_accuracy") is None else f"{r['best_accuracy']:.2f} ± {r.get('best_accuracy_std') or 0:.2f}"
-            lines.append(
-                f"| {r.get('rank', '')} | [{r['method']}](../methods/{r['method']}.md) | {final} | {best} | {r.get('metric', '')} | "
-                f"{_number(r.get('mb_per_round'), 1)} | {_number(r.get('seconds_per_round'), 1)} | "
-                f"{_number(r.get('gflops_per_round'), 0)} | {_number(r.get('percent_of_bf16_peak'), 1)} | "
-                f"{r.get('finished', '')}/{r.get('seeds', '')} |"
-            )
-        lines.append("")
+            # a one-seed std is None in leaderboard.json and n/a here (format_stat), never 0
+            final = "n/a" if r.get("final_accuracy") is None else format_stat({"mean": r["final_accuracy"], "std": r.get("final_accuracy_std")})
+            best = "" if r.get("best_accuracy") is None else format_stat({"mean": r["best_accuracy"], "std": r.get("best_accuracy_std")})
+            table.append([
+                r.get("rank"), Cell(r["method"], href=f"../methods/{r['method']}.md"), final, best, r.get("metric", ""),
+                _number(r.get("mb_per_round"), 1), _number(r.get("seconds_per_round"), 1), _number(r.get("gflops_per_round"), 0),
+                _number(r.get("percent_of_bf16_peak"), 1), f"{r.get('finished', '')}/{r.get('seeds', '')}",
+            ])  # fmt: skip
+        columns = ["rank", "method", "final acc %", "best acc %", "metric", "MB/round", "s/round", "GFLOP/round", "% of bf16 peak", "seeds"]
+        lines += [markdown_table(columns, table), ""]
     return "\n".join(lines)
 
 
