@@ -44,7 +44,6 @@ __all__ = [
 SUITE_DIR = "configs/bench"
 NOT_APPLICABLE = "not_applicable.txt"  # in a cell's directory: why the method cannot run this setting
 
-
 SettingSpec = ColumnSpec  # a setting is a reproduce column: a label and a config fragment
 
 
