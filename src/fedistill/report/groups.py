@@ -20,7 +20,8 @@ from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 from ..errors import ConfigError
-from .rundir import _atomic_write, _clean
+from ..fileio import atomic_write
+from .rundir import _clean
 from .tables import Column, markdown_table
 
 GROUP_JSON = "group.json"
@@ -158,8 +159,8 @@ def write_group(path: Path, group: dict[str, Any], title: str = "") -> None:
     """``group.json`` and ``group.md`` in the group directory (each replaced atomically)."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    _atomic_write(path / GROUP_JSON, json.dumps(_clean_tree(group), indent=2) + "\n")
-    _atomic_write(path / GROUP_MD, group_markdown(group, title or path.name))
+    atomic_write(path / GROUP_JSON, json.dumps(_clean_tree(group), indent=2) + "\n")
+    atomic_write(path / GROUP_MD, group_markdown(group, title or path.name))
 
 
 def _clean_tree(value: Any) -> Any:

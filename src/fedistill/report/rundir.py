@@ -20,8 +20,6 @@ import yaml
 from ..errors import ConfigError
 from ..fileio import atomic_open, atomic_write, remove_temporaries
 
-_atomic_write = atomic_write  # still imported under this name by report/groups.py
-
 METRIC_COLUMNS = [
     "round", "lr", "clients", "train_loss", "test_accuracy", "test_loss", "personal_accuracy", "personal_min",
     "personal_q1", "personal_median", "personal_q3", "personal_max", "bytes_down", "bytes_up",
