@@ -123,7 +123,7 @@ def server_methods(data_dir: str, rounds: int, device: str) -> dict:
     """Seconds per round and the server's share for FedFTG, DaFKD and FedICT on their reduced presets' settings."""
     from pathlib import Path
 
-    from fedistill.reproduce import load_preset, run_config
+    from fedistill.studies.reproduce import load_preset, run_config
     from fedistill.runner import load_dataset_for
 
     repo = Path(__file__).resolve().parents[1]

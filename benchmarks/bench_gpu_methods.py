@@ -29,7 +29,7 @@ import torch
 from bench_fedavg_mnist import PROTOCOL
 from bench_gpu import round_accuracy, run_rounds
 from fedistill.algorithms.fedavg import FedAvg
-from fedistill.bench import load_suite, suite_cells
+from fedistill.studies.bench import load_suite, suite_cells
 from fedistill.registry import ALGORITHMS
 from fedistill.runner import load_dataset_for
 from fedistill.simulation import Simulation

@@ -31,7 +31,7 @@ CHILD = r"""
 import hashlib, json, sys, time
 from pathlib import Path
 import torch
-from fedistill.bench import load_suite, suite_cells
+from fedistill.studies.bench import load_suite, suite_cells
 from fedistill.models.flat import get_flat
 from fedistill.runner import load_dataset_for
 from fedistill.simulation import Simulation

@@ -26,7 +26,7 @@ import torch
 
 from fedistill.data.sources import load_dataset
 from fedistill.simulation import Simulation
-from fedistill.reproduce import load_preset, run_config
+from fedistill.studies.reproduce import load_preset, run_config
 
 HERE = Path(__file__).resolve().parent
 

@@ -20,7 +20,7 @@ import sys
 import torch
 
 from fedistill.algorithms import dafkd as dafkd_module
-from fedistill.reproduce import load_preset, run_config
+from fedistill.studies.reproduce import load_preset, run_config
 from fedistill.runner import load_dataset_for
 from fedistill.simulation import Simulation
 

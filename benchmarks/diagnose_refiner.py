@@ -28,7 +28,7 @@ import torch
 
 from fedistill.algorithms.fedftg import FedFTG, TeacherEnsemble, stratified_labels
 from fedistill.models.flat import get_flat
-from fedistill.reproduce import load_preset, run_config
+from fedistill.studies.reproduce import load_preset, run_config
 from fedistill.runner import load_dataset_for
 from fedistill.simulation import Simulation
 

@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 from fedistill.report.claims import claims_markdown, claims_records, evaluate_claims
-from fedistill.reproduce import load_preset
+from fedistill.studies.reproduce import load_preset
 
 
 def seed_values(records: list[dict]) -> dict[tuple[str, str], dict[int, float]]:

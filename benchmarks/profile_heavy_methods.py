@@ -42,7 +42,7 @@ def arithmetic(name: str) -> bool:
 
 
 def profile_method(method: str, setting: str, data_dir: str, top: int) -> dict:
-    from fedistill.bench import load_suite, suite_cells
+    from fedistill.studies.bench import load_suite, suite_cells
     from fedistill.simulation import Simulation
     from fedistill.runner import load_dataset_for
 

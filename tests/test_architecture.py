@@ -102,6 +102,24 @@ def test_the_engine_imports_nothing_from_the_algorithms():
     assert all(t.startswith("fedistill.models") for t in graph["fedistill.protocol"])
 
 
+def test_the_experiment_layer_is_one_subpackage_that_nothing_below_imports():
+    """Issue 62 item 10: presets, bench suites and ranking live in ``fedistill.studies``; the top level shows the
+    layers. Only the command line and the public API may import the studies, never the engine, the methods, the
+    report helpers or the one-run composition roots."""
+    graph = import_graph()
+    top_level = {p.stem for p in PACKAGE.glob("*.py")}
+    assert not top_level & {"bench", "bench_results", "bench_rank", "reproduce", "reproduce_tables"}
+    assert {"fedistill.studies.reproduce", "fedistill.studies.bench", "fedistill.studies.bench_rank"} <= set(graph)
+    allowed = {"fedistill.cli", "fedistill.api", "fedistill"}
+    importers = {
+        module
+        for module, targets in graph.items()
+        if not module.startswith("fedistill.studies") and any(t.startswith("fedistill.studies") for t in targets)
+    }
+    assert importers <= allowed, sorted(importers - allowed)
+    assert "fedistill.studies.reproduce" in graph["fedistill.cli"]  # and the walker does see the CLI's lazy import
+
+
 def test_a_long_source_file_says_why_at_its_top():
     """ARCHITECTURE.md: files stay under about 500 lines; a longer one states its reason in its module docstring."""
     unexplained = []

@@ -12,7 +12,7 @@ import yaml
 
 from conftest import child_processes, live_processes
 
-from fedistill.bench import available_suites, bench, best_bf16_peak, estimate_remaining, load_suite, suite_cells
+from fedistill.studies.bench import available_suites, bench, best_bf16_peak, estimate_remaining, load_suite, suite_cells
 from fedistill.cli import main
 from fedistill.errors import ConfigError
 from fedistill.registry import ALGORITHMS
@@ -266,7 +266,7 @@ def test_round_flops_match_the_logistic_models_count_by_hand():
     """One round of FedAvg with logistic regression (60 -> 10, no hidden layer) on 10 synthetic clients: each
     training sample costs a forward matmul (2 * 60 * 10) and the weight gradient's (2 * 60 * 10; the input needs
     no gradient), each of the 500 held-out samples one forward: 2400 * n * E + 1200 * 500."""
-    from fedistill.bench import count_round_flops
+    from fedistill.studies.bench import count_round_flops
     from fedistill.config import build_config
     from fedistill.data.synthetic import SyntheticClients, SyntheticSpec
 
@@ -288,7 +288,7 @@ def test_flops_are_counted_through_autograd_grad_on_a_module():
     the input gradient (2x4 @ 4x3) 48 more; the weight's gradient is not asked for."""
     import torch
 
-    from fedistill.bench import counted_flops
+    from fedistill.studies.bench import counted_flops
 
     layer = torch.nn.Linear(3, 4, bias=False)
     x = torch.randn(2, 3, requires_grad=True)
@@ -424,9 +424,9 @@ def test_the_runs_own_round_one_is_counted_and_left_out_of_its_seconds(tmp_path)
     """FedAvg with logistic regression on synthetic clients (the hand count of
     test_round_flops_match_the_logistic_models_count_by_hand): a bench cell's first seed counts round 1 inside
     the run, the same number as the one-round copy, and its s/round is round 2's seconds alone."""
-    from fedistill.bench import _run_cell, count_round_flops
+    from fedistill.studies.bench import _run_cell, count_round_flops
     from fedistill.config import build_config
-    from fedistill.reproduce import run_result
+    from fedistill.studies.reproduce import run_result
     from fedistill.runs import read_saved
 
     tree = build_config({
@@ -449,7 +449,7 @@ def test_a_counter_that_fails_inside_the_run_costs_the_cell_nothing(tmp_path, mo
     """If the counter cannot follow a method inside the run, the cell runs again without it and the
     one-round copy counts (or records why not): the cell's numbers are the plain run's."""
     import fedistill.engine.flops as flops_module
-    from fedistill.bench import _run_cell
+    from fedistill.studies.bench import _run_cell
     from fedistill.config import build_config
     from fedistill.runs import read_saved
 

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from fedistill.bench import bench, load_suite
-from fedistill.bench_rank import CELLS_FILE, competition_ranks
+from fedistill.studies.bench import bench, load_suite
+from fedistill.studies.bench_rank import CELLS_FILE, competition_ranks
 from fedistill.errors import ConfigError
 
 SUITE = {
@@ -128,7 +128,7 @@ def test_the_published_cells_ship_with_the_package_and_are_found_from_any_direct
     """Issue 62: ranking a method of your own against fd-mnist from outside a clone. From an empty directory the
     default cells are the ones that ship with fedistill (the checkout's benchmarks/leaderboards here; the wheel's
     package data in tests/test_packaging.py), byte for byte the committed file."""
-    from fedistill.bench_rank import load_published, published_cells_path
+    from fedistill.studies.bench_rank import load_published, published_cells_path
 
     committed = Path(__file__).resolve().parents[1] / "benchmarks" / "leaderboards" / "fd-mnist" / CELLS_FILE
     monkeypatch.chdir(tmp_path)
@@ -152,7 +152,7 @@ def test_the_leaderboard_and_the_ranking_share_the_rule_and_the_one_seed_convent
     seed has no standard deviation (None, shown "n/a")."""
     from types import SimpleNamespace
 
-    from fedistill.bench_results import leaderboard_rows
+    from fedistill.studies.bench_results import leaderboard_rows
     from fedistill.report.groups import format_stat
 
     class OneSeedCell:  # what leaderboard_rows reads of a finished bench cell

@@ -23,7 +23,7 @@ from fedistill.report.claims import (
     t_quantile_975,
     wilcoxon_signed_rank,
 )
-from fedistill.reproduce import load_preset, reproduce
+from fedistill.studies.reproduce import load_preset, reproduce
 
 
 def test_t_quantiles_match_the_printed_tables():
@@ -296,7 +296,7 @@ def test_a_claim_naming_an_unknown_method_or_column_is_refused_at_load(tmp_path)
 
 def test_run_values_of_each_metric():
     from fedistill.report.claims import run_value
-    from fedistill.reproduce import RunResult
+    from fedistill.studies.reproduce import RunResult
 
     run = RunResult("c", "A", 0, [(r, float(a)) for r, a in enumerate([10, 50, 40, 60, 70, 20, 30], 1)], 2.5,
                     bytes_per_round=3_000_000.0)  # fmt: skip

@@ -81,7 +81,7 @@ def test_rank_my_method_example_ranks_a_plugin_against_published_cells(tmp_path)
     """examples/rank_my_method.py on a tiny published suite: fedavg_cp at beta 0 is FedAvg, so it ties with it."""
     import yaml
 
-    from fedistill.bench import bench, load_suite
+    from fedistill.studies.bench import bench, load_suite
 
     suite = {
         "name": "tiny-example", "title": "tiny", "seeds": [0, 1],

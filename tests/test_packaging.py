@@ -185,7 +185,7 @@ def test_wheel_installs_and_runs_away_from_the_source_tree(tmp_path):
     work = tmp_path / "work"
     work.mkdir()
     probe = (
-        "import json, sys, fedistill, fedistill.reproduce as r, fedistill.bench_rank as b; "
+        "import json, sys, fedistill, fedistill.studies.reproduce as r, fedistill.studies.bench_rank as b; "
         "print(json.dumps([fedistill.__file__, str(r.bundled_configs_dir()), sys.path, str(b.published_cells_path('fd-mnist'))]))"
     )
     module_file, configs_dir, path, cells_file = json.loads(_run([str(python), "-c", probe], work, env).stdout)

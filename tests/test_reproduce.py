@@ -13,7 +13,7 @@ import yaml
 
 from fedistill.cli import main
 from fedistill.errors import ConfigError
-from fedistill.reproduce import Preset, RunResult, comparison_rows, load_preset, reproduce, run_config
+from fedistill.studies.reproduce import Preset, RunResult, comparison_rows, load_preset, reproduce, run_config
 
 TINY = {
     "name": "tiny",
@@ -150,7 +150,7 @@ def test_selections_that_would_misreport_the_table_are_refused_before_any_run(ti
 def test_a_method_parameter_goes_to_the_methods_that_have_it_and_not_to_the_reference(tiny, tmp_path):
     """A variant of one method beside the reference: ``--set algorithm.mu=...`` reaches FedProx, not FedAvg (which
     has no ``mu`` and used to stop the whole command), and a key that no selected method has is still refused."""
-    from fedistill.reproduce import changed_by_set, method_overrides
+    from fedistill.studies.reproduce import changed_by_set, method_overrides
 
     lines: list[str] = []
     console = type("Console", (), {"print": lambda self, line: lines.append(line)})()
@@ -171,7 +171,7 @@ def test_a_method_parameter_goes_to_the_methods_that_have_it_and_not_to_the_refe
         reproduce(tiny, tmp_path, rounds=1, methods=["FedProx"], columns=["lda"], overrides=["algorithm.importance=uniform"])
     # In a fresh interpreter, as `fedistill reproduce` starts: no algorithm is registered until one is asked for.
     fresh = subprocess.run(
-        [sys.executable, "-c", "import sys; from fedistill.reproduce import load_preset, method_overrides; "
+        [sys.executable, "-c", "import sys; from fedistill.studies.reproduce import load_preset, method_overrides; "
          "print(method_overrides(load_preset(sys.argv[1]), ['FedAvg', 'FedProx'], ['lda'], ['algorithm.mu=0.3']))",
          str(tmp_path / "tiny.yaml")],
         capture_output=True, text=True, check=True,
@@ -233,7 +233,7 @@ def test_jobs_run_the_runs_in_parallel_processes_with_the_serial_numbers(tiny, t
 def test_runs_go_seed_by_seed_so_a_stopped_reproduce_leaves_whole_seeds(tiny, tmp_path, monkeypatch):
     """A claim whose runs outlast a session is stopped and continued: every column and method of seed s is
     submitted before any run of seed s + 1, so the runs finished so far pair up into whole seeds."""
-    import fedistill.reproduce as reproduce_module
+    import fedistill.studies.reproduce as reproduce_module
 
     submitted = []
 
@@ -256,7 +256,7 @@ def test_runs_go_seed_by_seed_so_a_stopped_reproduce_leaves_whole_seeds(tiny, tm
 
 
 def test_every_shipped_preset_validates_for_every_run():
-    from fedistill.reproduce import available_presets
+    from fedistill.studies.reproduce import available_presets
 
     names = available_presets()
     assert "fedlmd_table3_mnist" in names

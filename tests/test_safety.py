@@ -339,7 +339,7 @@ def test_a_nan_test_loss_stops_the_run_as_diverged(tmp_path, capsys, monkeypatch
 
 
 def test_reproduce_shows_a_nan_test_loss_as_a_failed_cell(tmp_path, monkeypatch):
-    from fedistill.reproduce import Preset, reproduce
+    from fedistill.studies.reproduce import Preset, reproduce
 
     _nan_evaluation(monkeypatch, after_round=2)
     preset = Preset.model_validate(

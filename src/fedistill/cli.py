@@ -180,7 +180,7 @@ def _data_overrides(args: argparse.Namespace) -> list[str]:
 
 
 def cmd_reproduce(args: argparse.Namespace) -> int:
-    from .reproduce import available_presets, load_preset, reproduce
+    from .studies.reproduce import available_presets, load_preset, reproduce
 
     if not args.preset:
         print("presets: " + (", ".join(available_presets()) or "none found (this fedistill installation lacks its configs/reproduce package data; reinstall it)"))
@@ -202,7 +202,7 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from .bench import available_suites, bench, list_cells, load_suite
+    from .studies.bench import available_suites, bench, list_cells, load_suite
 
     if not args.suite:
         print("suites: " + (", ".join(n for n, _ in available_suites()) or "none found"))
@@ -248,7 +248,7 @@ def cmd_list(args: argparse.Namespace) -> int:
         console.print(table)
     # The configurations and presets that ship with the package (fedistill/configs), with the paper each
     # preset reproduces: both are found from any directory.
-    from .reproduce import bundled_configs, config_summary, preset_summaries
+    from .studies.reproduce import bundled_configs, config_summary, preset_summaries
 
     shipped = (
         ("configs (fedistill run --config NAME)", [(n, config_summary(p)) for n, p in bundled_configs().items()]),
@@ -264,7 +264,7 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 
 def _suite_summaries() -> list[tuple[str, str]]:
-    from .bench import available_suites
+    from .studies.bench import available_suites
 
     return available_suites()
 

@@ -3,7 +3,7 @@
 ``torch.utils.flop_counter.FlopCounterMode`` counts the operations it has formulas for (matmul, convolution,
 attention: the bulk of the work). The bench counts round 1 of a cell's first seed: inside the run itself where
 it can (:attr:`fedistill.engine.loop.RoundLoop.count_first_round`, so that no second copy of the round runs
-only to be counted), else on a one-round copy of the run (``fedistill.bench.count_round_flops``)."""
+only to be counted), else on a one-round copy of the run (``fedistill.studies.bench.count_round_flops``)."""
 
 from __future__ import annotations
 

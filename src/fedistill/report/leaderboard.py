@@ -308,7 +308,7 @@ def seeds_text(row: dict[str, Any]) -> str:
 
 
 def leaderboard_markdown(suite, rows: list[dict[str, Any]], claims: list[dict[str, Any]] | None = None) -> str:
-    """leaderboard.md: per setting, the ranked table (fedistill.bench.Suite ``suite``), then the verdicts of
+    """leaderboard.md: per setting, the ranked table (fedistill.studies.bench.Suite ``suite``), then the verdicts of
     the suite's claims (report/claims.py rows)."""
     lines = [f"# {suite.title}", ""]
     if suite.description:

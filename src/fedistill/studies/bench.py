@@ -31,10 +31,10 @@ from typing import Any
 
 from pydantic import Field
 
-from .errors import ConfigError
-from .fileio import atomic_write
+from ..errors import ConfigError
+from ..fileio import atomic_write
 from .bench_results import FLOPS_FILE, leaderboard_rows, suite_claim_rows, write_leaderboard
-from .engine.flops import counted_flops
+from ..engine.flops import counted_flops
 from .reproduce import ClaimSpec, ColumnSpec, StrictModel, method_dir_name, read_model_file
 
 __all__ = [
@@ -70,15 +70,15 @@ class Suite(StrictModel):
     claims: list[ClaimSpec] = Field(default_factory=list)
 
     def parsed_claims(self):
-        from .report.claims import parse_claims
+        from ..report.claims import parse_claims
 
         return parse_claims(self.claims)
 
     def method_specs(self) -> dict[str, BenchMethod]:
         if self.methods is not None:
             return self.methods
-        from . import algorithms as _algorithms  # noqa: F401  (registers the methods)
-        from .registry import ALGORITHMS
+        from .. import algorithms as _algorithms  # noqa: F401  (registers the methods)
+        from ..registry import ALGORITHMS
 
         return {name: BenchMethod(config={"algorithm": {"name": name}}) for name in sorted(ALGORITHMS)}
 
@@ -101,14 +101,14 @@ class Suite(StrictModel):
         says everything itself."""
         if self.methods is not None:
             return {}
-        from .registry import ALGORITHMS
+        from ..registry import ALGORITHMS
 
         return ALGORITHMS.get(tree["algorithm"]["name"]).config_defaults(tree)
 
 
 def suite_search_path() -> list[Path]:
     """Where suite names are looked up: ./configs/bench, then the suites that ship with fedistill."""
-    from .config import bundled_configs_dir
+    from ..config import bundled_configs_dir
 
     bundled = bundled_configs_dir()
     return [Path.cwd() / SUITE_DIR] + ([bundled / "bench"] if bundled is not None else [])
@@ -146,8 +146,8 @@ def load_suite(name_or_path: str) -> Suite:
                 f"bench: suite {path}: method_settings changes card defaults when methods are left out; "
                 "with methods listed, put the change in that method's config"
             )
-        from . import algorithms as _algorithms  # noqa: F401  (registers the methods)
-        from .registry import ALGORITHMS
+        from .. import algorithms as _algorithms  # noqa: F401  (registers the methods)
+        from ..registry import ALGORITHMS
 
         unknown = sorted(set(suite.method_settings) - set(ALGORITHMS.names()))
         if unknown:
@@ -156,7 +156,7 @@ def load_suite(name_or_path: str) -> Suite:
         unknown = sorted(set(spec.per_setting) - set(suite.settings))
         if unknown:
             raise ConfigError(f"bench: suite {path}: method {method} names unknown settings {unknown}")
-    from .report.claims import parse_claims
+    from ..report.claims import parse_claims
 
     parse_claims(suite.claims, list(suite.method_specs()), list(suite.settings), f"bench: suite {path}", "settings", "suite")
     return suite
@@ -203,7 +203,7 @@ class Cell:
 def suite_cells(suite: Suite, root: Path, overrides: list[str] | None = None) -> list[Cell]:
     """Every cell of the suite in a fixed order (setting, method, seed), each validated before any runs."""
     from .reproduce import _merge
-    from .config import build_config
+    from ..config import build_config
 
     cells = []
     for setting, setting_spec in suite.settings.items():
@@ -238,9 +238,9 @@ def count_round_flops(config_tree: dict[str, Any]) -> dict[str, Any]:
     Only the operations it has formulas for (matmul, convolution, attention: the bulk of the work) count."""
     import torch
 
-    from .config import build_config
-    from .runner import load_dataset_for
-    from .simulation import Simulation
+    from ..config import build_config
+    from ..runner import load_dataset_for
+    from ..simulation import Simulation
 
     cfg = build_config({**config_tree, "rounds": 1, "run": {**config_tree.get("run", {}), "workers": 1, "checkpoint_every": 0}})
     simulation = Simulation(cfg, load_dataset_for(cfg))
@@ -312,7 +312,7 @@ def _run_cell(config_tree: dict[str, Any], path: str, count_flops: bool = False)
     ``count_flops`` (the first seed of a (setting, method)) also counts one round's FLOPs into flops.json."""
     import torch
 
-    from .runs import ensure_run_quietly
+    from ..runs import ensure_run_quietly
 
     def write_flops(flops: int) -> None:
         atomic_write(Path(path) / FLOPS_FILE, json.dumps({"flops_per_round": flops, "torch": torch.__version__, "counted": "in the run"}))
@@ -365,10 +365,10 @@ def bench(
     cluster at ``ray_address``; ``local`` starts one on this machine), then write and return the leaderboard
     of every finished cell. With ``methods``: only their cells, ranked against the published cells instead
     (``published``, else the cells that ship with fedistill, fedistill/leaderboards/SUITE/cells.json; bench_rank.py)."""
-    from .runner import make_console
+    from ..runner import make_console
 
     console = console or make_console(wide=True)
-    from .engine.cores import job_overrides, override_keys
+    from ..engine.cores import job_overrides, override_keys
 
     # One-thread, one-process cells, however many run at once: the leaderboard's % of peak is per thread, and a
     # cell's numbers do not depend on --jobs. (Ray places cells on its own cluster's CPUs: no local core check.)
@@ -428,8 +428,8 @@ def bench(
     elif todo:
         from concurrent.futures import as_completed
 
-        from .engine.executors import run_pool
-        from .engine.interrupts import uninterrupted
+        from ..engine.executors import run_pool
+        from ..engine.interrupts import uninterrupted
 
         with run_pool(jobs) as pool:  # an interrupted bench stops its cells; they resume from their checkpoints
             with uninterrupted():
@@ -450,7 +450,7 @@ def bench(
     write_leaderboard(suite, rows, root, cells, claims)
     console.print(f"leaderboard: {root / 'leaderboard.md'} (and .csv, .json, .html) after {_duration(time.perf_counter() - started)}")
     if claims:
-        from .report.claims import print_claims
+        from ..report.claims import print_claims
 
         print_claims(console, claims, root, where="beside the tables in leaderboard.md and .html")
     return rows
@@ -464,7 +464,7 @@ def _run_on_ray(todo: list[Cell], address: str, threads: int, first_seed: int):
         import ray
     except ImportError:
         raise ConfigError("bench --ray: Ray is not installed; install it with `pip install 'fedistill[ray]'` (or `pip install ray`)") from None
-    from .plugins import PLUGIN_ENV
+    from ..plugins import PLUGIN_ENV
 
     env = {PLUGIN_ENV: os.environ.get(PLUGIN_ENV, "")}
     started_here = not ray.is_initialized()
@@ -490,7 +490,7 @@ def _run_on_ray(todo: list[Cell], address: str, threads: int, first_seed: int):
 def _refuse_changed_cells(cells: list[Cell]) -> None:
     """Before anything runs: a cell directory holding a run of another configuration (the suite or --set
     changed) is refused, finished or not, so the leaderboard never mixes two protocols."""
-    from .runs import run_state
+    from ..runs import run_state
 
     for cell in cells:
         if cell.why_not is None:
@@ -531,7 +531,7 @@ def _cell_result(cell: Cell):
     if cell.why_not is not None or not (cell.path / "config.yaml").is_file():
         return None
     from .reproduce import run_result
-    from .runs import read_saved
+    from ..runs import read_saved
 
     _, rows, summary = read_saved(cell.path)
     if summary.get("status") not in ("finished", "diverged"):

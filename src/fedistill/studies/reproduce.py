@@ -25,12 +25,12 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from .config import load_yaml
-from .config import bundled_configs, bundled_configs_dir, build_config, find_config  # noqa: F401  (re-exported)
-from .errors import ConfigError
-from .engine.flops import FLOPS_COUNTED_KEY
+from ..config import load_yaml
+from ..config import bundled_configs, bundled_configs_dir, build_config, find_config  # noqa: F401  (re-exported)
+from ..errors import ConfigError
+from ..engine.flops import FLOPS_COUNTED_KEY
 from .reproduce_tables import print_table, write_tables
-from .runs import ensure_run, read_saved, run_in_parallel, run_state
+from ..runs import ensure_run, read_saved, run_in_parallel, run_state
 
 PRESET_DIR = "configs/reproduce"
 
@@ -82,7 +82,7 @@ class Preset(StrictModel):
     claims: list[ClaimSpec] = Field(default_factory=list)
 
     def parsed_claims(self):
-        from .report.claims import parse_claims
+        from ..report.claims import parse_claims
 
         return parse_claims(self.claims)
 
@@ -95,7 +95,7 @@ def preset_search_path() -> list[Path]:
 
 def config_summary(path: Path) -> str:
     """One line on a shipped configuration: its algorithm, dataset, partition, clients and rounds."""
-    from .config import Config
+    from ..config import Config
 
     try:
         cfg = Config.model_validate(load_yaml(path.read_text()) or {})
@@ -133,8 +133,8 @@ def available_presets() -> list[str]:
 def read_model_file(path: Path, model: type[BaseModel], what: str):
     """A YAML file validated as ``model``; one line for a binary file, a YAML error (with its line and column)
     or the first invalid key, as for --config."""
-    from .config import parse_yaml_text
-    from .report.rundir import _read_text
+    from ..config import parse_yaml_text
+    from ..report.rundir import _read_text
 
     data = parse_yaml_text(path, _read_text(path), what=what)
     try:
@@ -164,7 +164,7 @@ def load_preset(name_or_path: str) -> Preset:
             raise ConfigError(f"reproduce: preset {path}: method {method} names unknown columns {sorted(unknown)}")
     if preset.reference_method not in preset.methods:
         raise ConfigError(f"reproduce: preset {path}: reference method {preset.reference_method} is not among its methods")
-    from .report.claims import parse_claims
+    from ..report.claims import parse_claims
 
     parse_claims(preset.claims, list(preset.methods), list(preset.columns), f"reproduce: preset {path}")
     return preset
@@ -189,8 +189,8 @@ def _override_keys(overrides: list[str] | dict[str, Any]) -> list[str]:
 def _algorithm_parameters(preset: Preset, method: str, columns: list[str]) -> set[str] | None:
     """The parameters (``algorithm.KEY``) that ``method``'s algorithm accepts in every one of ``columns``; None when
     its algorithm cannot be named here (an unknown name: :func:`run_config` then reports it)."""
-    from . import algorithms as _algorithms  # noqa: F401  (registers the algorithms: a fresh `reproduce` has none yet)
-    from .registry import ALGORITHMS
+    from .. import algorithms as _algorithms  # noqa: F401  (registers the algorithms: a fresh `reproduce` has none yet)
+    from ..registry import ALGORITHMS
 
     accepted: set[str] | None = None
     for column in columns:
@@ -314,12 +314,12 @@ def reproduce(
 
     ``status``: run nothing; report which runs have finished and write the tables and claims over the seeds whose
     every run has (:func:`report_finished`), with ``continue_command`` as the line that continues the rest."""
-    from .runner import make_console
+    from ..runner import make_console
 
     console = console or make_console(wide=True)
-    from .report.groups import check_seeds
+    from ..report.groups import check_seeds
 
-    from .engine.cores import job_overrides
+    from ..engine.cores import job_overrides
 
     asked = list(overrides or [])  # the user's --set values, before the job settings below
     overrides = job_overrides("reproduce", jobs, asked)
@@ -401,7 +401,7 @@ def tabulate_runs(preset, results, root: Path, rounds: int, seeds: list[int], co
     while fewer have finished), written under ``root`` and printed. ``changed``: the --set values the runs had
     (:func:`changed_by_set`), stated above the tables and in each claim's record."""
     table = comparison_rows(preset, results, columns, methods, seeds, rounds)
-    from .report.claims import claim_rows, print_claims
+    from ..report.claims import claim_rows, print_claims
 
     claims = claim_rows(preset, results, columns, seeds)
     for row in claims:  # in claims.json: a verdict over 3 of 10 planned seeds is not the 10-seed verdict
@@ -423,7 +423,7 @@ def report_finished(preset, root: Path, configs, rounds: int, seeds: list[int], 
     which have not started; then the tables and claims over the seeds whose every selected run has finished (the
     runs go seed by seed, so a stopped claim leaves whole seeds), marked provisional while seeds remain. Nothing
     runs; a run directory holding another configuration is refused as a run would refuse it."""
-    from .runner import print_rows
+    from ..runner import print_rows
 
     states: dict[tuple[str, str, int], str] = {}
     rounds_done: dict[tuple[str, str, int], int] = {}

@@ -20,8 +20,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from .errors import ConfigError
-from .fileio import atomic_write
+from ..errors import ConfigError
+from ..fileio import atomic_write
 
 __all__ = ["CELLS_FILE", "FLOPS_FILE", "cell_records", "competition_ranks", "write_cells", "load_published", "protocol_of", "rank_against_published", "with_methods", "write_ranking"]
 
@@ -34,7 +34,7 @@ def protocol_of(cfg) -> dict[str, Any]:
     """What a cell's numbers depend on besides its method and seed: its comparable configuration (runs.py: no
     file locations, no run settings, no rounds) without ``algorithm`` and ``seed``; rounds come back in, since
     a ranking needs the same number."""
-    from .runs import live_comparable_config
+    from ..runs import live_comparable_config
 
     protocol = {k: v for k, v in live_comparable_config(cfg).items() if k not in ("algorithm", "seed")}
     return {**protocol, "rounds": cfg.rounds}
@@ -126,8 +126,8 @@ def bundled_leaderboards_dir() -> Path | None:
     the repository's ``benchmarks/leaderboards/`` there); from the source tree (an editable install, or ``src`` on
     ``sys.path``) it is the checkout's ``benchmarks/leaderboards/``, whatever the working directory.
     """
-    packaged = resources.files(__package__) / "leaderboards"
-    candidates = [Path(str(packaged)), Path(__file__).resolve().parents[2] / "benchmarks" / "leaderboards"]
+    packaged = resources.files("fedistill") / "leaderboards"
+    candidates = [Path(str(packaged)), Path(__file__).resolve().parents[3] / "benchmarks" / "leaderboards"]
     return next((c for c in candidates if c.is_dir()), None)
 
 
@@ -202,7 +202,7 @@ def rank_against_published(
     """The new methods ranked among the published ones per setting, and each new method's paired verdict against
     every published method on the suite's seeds. Returns {"settings": {setting: [row, ...]}, "verdicts": [...],
     "notes": [...]}; a method both published and re-run is compared with its own published cells too."""
-    from .report.claims import DOES_NOT_HOLD, HOLDS, link_verdict, paired_interval
+    from ..report.claims import DOES_NOT_HOLD, HOLDS, link_verdict, paired_interval
 
     seeds = list(published["seeds"])
     finals: dict[tuple[str, str], dict[int, float]] = {}
@@ -287,8 +287,8 @@ def rank_against_published(
 def ranking_markdown(suite: Any, ranking: dict[str, Any]) -> str:
     """ranking.md: per setting, the published and your methods in rank order (report/tables.py writes the
     tables), then each of your methods paired by seed with every published one."""
-    from .report.groups import format_stat
-    from .report.tables import Cell, markdown_table
+    from ..report.groups import format_stat
+    from ..report.tables import Cell, markdown_table
 
     lines = [f"# {suite.title}: your methods ranked among the published cells", ""]
     lines += [f"- {note}" for note in ranking["notes"]] + ([""] if ranking["notes"] else [])
@@ -311,8 +311,8 @@ def write_ranking(suite: Any, published: dict[str, Any], cells: list[Any], root:
     """ranking.md and ranking.json in the suite's directory, and the ranking printed."""
     import torch
 
-    from .report.environment import cpu_name
-    from .report.groups import format_stat
+    from ..report.environment import cpu_name
+    from ..report.groups import format_stat
 
     ranking = rank_against_published(suite, published, cells, {"cpu": cpu_name(), "torch": torch.__version__})
     text = ranking_markdown(suite, ranking)
@@ -336,8 +336,8 @@ def with_methods(suite: Any, methods: list[str], spec_class: Any) -> Any:
     """The suite with ``methods`` among its methods: a suite that lists its methods gets each missing one at
     its card defaults (a method of your own; ``spec_class`` is bench.BenchMethod, passed in since bench imports
     this module); one that runs every registered method has them already."""
-    from . import algorithms as _algorithms  # noqa: F401  (registers the methods)
-    from .registry import ALGORITHMS
+    from .. import algorithms as _algorithms  # noqa: F401  (registers the methods)
+    from ..registry import ALGORITHMS
 
     if not methods:
         raise ConfigError("bench --methods: empty; name at least one method")

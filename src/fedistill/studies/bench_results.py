@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from .bench_rank import FLOPS_FILE, competition_ranks, write_cells
-from .fileio import atomic_open, atomic_write
-from .report.groups import stat
+from ..fileio import atomic_open, atomic_write
+from ..report.groups import stat
 from .reproduce import method_dir_name
 
 __all__ = ["FLOPS_FILE", "leaderboard_rows", "suite_claim_rows", "write_leaderboard"]
@@ -90,7 +90,7 @@ def leaderboard_rows(
 def suite_claim_rows(suite: Any, cells: list[Any]) -> list[dict[str, Any]]:
     """The suite's claims evaluated on its finished cells (report/claims.py: paired differences over seeds, 95 %
     intervals, verdicts); a claim whose methods have unfinished or n/a cells on a setting is listed as not run."""
-    from .report.claims import evaluate_claims, run_value
+    from ..report.claims import evaluate_claims, run_value
 
     by_key = {(c.setting, c.method, c.seed): c for c in cells}
 
@@ -121,11 +121,11 @@ def write_leaderboard(
     """leaderboard.md, .csv, .json and, given the cells (for the curves), one figure per setting and the
     self-contained leaderboard.html (report/leaderboard.py); given the suite's evaluated claims, their verdicts
     beside the tables (and claims.json)."""
-    from .report.leaderboard import leaderboard_markdown
+    from ..report.leaderboard import leaderboard_markdown
 
     root.mkdir(parents=True, exist_ok=True)
     if cells is not None:
-        from .report.leaderboard import plot_setting, write_html
+        from ..report.leaderboard import plot_setting, write_html
 
         figures = {}
         for setting, spec in suite.settings.items():
@@ -141,7 +141,7 @@ def write_leaderboard(
                    root / "leaderboard.html", claims)  # fmt: skip
     atomic_write(root / "leaderboard.md", leaderboard_markdown(suite, rows, claims))
     if claims:
-        from .report.claims import claims_records
+        from ..report.claims import claims_records
 
         atomic_write(root / "claims.json", json.dumps(claims_records(claims), indent=1))
     atomic_write(root / "leaderboard.json", json.dumps(rows, indent=1))

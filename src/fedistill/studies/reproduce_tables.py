@@ -12,13 +12,13 @@ import json
 from pathlib import Path
 from typing import Any
 
-from .fileio import atomic_open, atomic_write
-from .report.tables import markdown_table as write_markdown_table
+from ..fileio import atomic_open, atomic_write
+from ..report.tables import markdown_table as write_markdown_table
 
 
 def _acc(value: float | None, std: float | None = None) -> str:
     """``91.23 ± 0.41`` (report.groups' format; one seed: ``91.23 ± n/a``; no mean: ``-``)."""
-    from .report.groups import format_stat
+    from ..report.groups import format_stat
 
     return format_stat({"mean": value, "std": std})
 
@@ -57,7 +57,7 @@ def markdown_table(preset, rows: list[dict[str, Any]], rounds: int, seeds: list[
     if preset.notes:
         out.write("\n")
     if claims:
-        from .report.claims import claims_markdown
+        from ..report.claims import claims_markdown
 
         out.write(
             "## Claims\n\nEach claim paired over the seeds both methods ran (same seed, same partition): the mean "
@@ -94,7 +94,7 @@ def write_tables(preset, rows: list[dict[str, Any]], root: Path, rounds: int, se
     root.mkdir(parents=True, exist_ok=True)
     atomic_write(root / "table.md", markdown_table(preset, rows, rounds, seeds, claims, provisional))
     if claims:
-        from .report.claims import claims_records
+        from ..report.claims import claims_records
 
         atomic_write(root / "claims.json", json.dumps(claims_records(claims), indent=1))
     with atomic_open(root / "table.csv", "w", newline="") as fh:
