@@ -121,6 +121,19 @@ def test_partition_command_and_run_directory_carry_the_same_title(tmp_path, monk
     assert (tmp_path / "c_class_distributions.pdf").read_bytes()[:4] == b"%PDF"
 
 
+def test_run_figures_false_writes_the_results_without_a_figure_and_compare_draws_them_later(tmp_path):
+    """run.figures (issue 62 item 9): the default draws the run's figures (the test above); false writes every
+    result file but no figure, and `fedistill compare` still draws the curves from the metrics."""
+    assert build_config({}, {}).run.figures is True
+    assert main(["run", *FAST, "--rounds", "1", "--set", "run.figures=false", "--out", str(tmp_path), "--name", "r", "-q"]) == 0
+    run = tmp_path / "r"
+    assert sorted(p.name for p in run.glob("*.png")) == []
+    for name in ("metrics.jsonl", "metrics.csv", "summary.json", "partition_counts.csv", "config.yaml"):
+        assert (run / name).stat().st_size > 0, name
+    assert main(["compare", str(run), "--out", str(tmp_path / "c.png")]) == 0
+    assert (tmp_path / "c.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_partition_percent_rows_sum_to_100_and_zero_cells_are_masked():
     counts = np.array([[5, 0, 15], [0, 0, 7], [1, 1, 1]])
     pct = partition_matrix(counts, percent=True)

@@ -577,6 +577,7 @@ def fd_config(algorithm, clients):
             "model.server": "fd_server_resnet56",
             "model.server_kwargs": {"blocks_per_stage": 1},
             "local.weight_decay": 5e-4,
+            "run.figures": True,  # the Flower app's personal-accuracy figure is checked below
         },
     )
 

@@ -140,7 +140,8 @@ def run_experiment(
                 f"[dim]partition_counts.csv and partition.png cover the first {counts.shape[0]:,} of the "
                 f"{sim.federation.num_clients:,} generated clients (counting all would generate every client's data)[/]"
             )
-    plot_partition(counts, run_dir.path / "partition.png", title)
+    if cfg.run.figures:
+        plot_partition(counts, run_dir.path / "partition.png", title)
 
     key = "personal_accuracy" if cfg.accuracy_metric() == "personal" else "test_accuracy"
     log = RoundLog(console, run_dir.path / "run.log", cfg.rounds, sim.state.round, key, progress=cfg.run.progress, quiet=quiet)
@@ -202,12 +203,13 @@ def run_experiment(
             f"{_fmt(summary.get('final_accuracy'))}%, best {_fmt(summary.get('best_accuracy'))}% "
             f"(round {summary.get('best_round', '-')}), {_fmt(summary.get('seconds'), '.1f')} s\n"
         )
-    curve = [(r["round"], r[key]) for r in history if r.get(key) is not None]
-    algorithm = cfg.algorithm.display_name()
-    title = config_title(cfg, extra=algorithm)
-    plot_accuracy({algorithm: curve}, run_dir.path / "accuracy.png", cfg.eval.target_accuracy, ylabel=accuracy_label(key), title=title)
-    plot_personal_accuracy(history, run_dir.path / "personal_accuracy.png", algorithm, title=title)
-    plot_class_distributions({algorithm: history}, run_dir.path / "class_distributions.png", title=config_title(cfg))
+    if cfg.run.figures:
+        curve = [(r["round"], r[key]) for r in history if r.get(key) is not None]
+        algorithm = cfg.algorithm.display_name()
+        title = config_title(cfg, extra=algorithm)
+        plot_accuracy({algorithm: curve}, run_dir.path / "accuracy.png", cfg.eval.target_accuracy, ylabel=accuracy_label(key), title=title)
+        plot_personal_accuracy(history, run_dir.path / "personal_accuracy.png", algorithm, title=title)
+        plot_class_distributions({algorithm: history}, run_dir.path / "class_distributions.png", title=config_title(cfg))
     print_summary(console, {run_dir.path.name: summary})
     return summary
 

@@ -321,7 +321,8 @@ def run_server(grid: Grid, cfg: Config, settings: FlowerSettings) -> dict[str, A
     title = config_title(cfg)  # as `fedistill run` and `partition`
     if partial:
         title += f" (first {counts.shape[0]:,} of {federation.num_clients:,} clients)"
-    plot_partition(counts, run_dir.path / "partition.png", title)
+    if cfg.run.figures:
+        plot_partition(counts, run_dir.path / "partition.png", title)
     # The accuracy that rounds, summaries and plots report, as `fedistill run`: the global model's on the
     # test set, or (partition.per_client_test) the clients' mean on their own test splits.
     accuracy_key, accuracy_name = (
@@ -433,12 +434,13 @@ def run_server(grid: Grid, cfg: Config, settings: FlowerSettings) -> dict[str, A
         raise
     summary = finish("finished")
     history = runtime.state.history
-    curve = [(r["round"], r[accuracy_key]) for r in history if r.get(accuracy_key) is not None]
-    algorithm = cfg.algorithm.display_name()
-    title = config_title(cfg, extra=algorithm)
-    plot_accuracy({algorithm: curve}, run_dir.path / "accuracy.png", cfg.eval.target_accuracy, ylabel=accuracy_label(accuracy_key), title=title)
-    plot_personal_accuracy(history, run_dir.path / "personal_accuracy.png", algorithm, title=title)
-    plot_class_distributions({algorithm: history}, run_dir.path / "class_distributions.png", title=config_title(cfg))
+    if cfg.run.figures:
+        curve = [(r["round"], r[accuracy_key]) for r in history if r.get(accuracy_key) is not None]
+        algorithm = cfg.algorithm.display_name()
+        title = config_title(cfg, extra=algorithm)
+        plot_accuracy({algorithm: curve}, run_dir.path / "accuracy.png", cfg.eval.target_accuracy, ylabel=accuracy_label(accuracy_key), title=title)
+        plot_personal_accuracy(history, run_dir.path / "personal_accuracy.png", algorithm, title=title)
+        plot_class_distributions({algorithm: history}, run_dir.path / "class_distributions.png", title=config_title(cfg))
     _say(f"finished: final {accuracy_name} {summary['final_accuracy']}, run directory {run_dir.path}")
     return summary
 
