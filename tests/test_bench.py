@@ -23,7 +23,7 @@ TINY = {
     "protocol": {
         "rounds": 2, "clients_per_round": 3, "dataset": {"name": "digits"},
         "partition": {"num_clients": 6, "seed": 3}, "local": {"epochs": 1, "batch_size": 32, "lr": 0.05},
-        "run": {"checkpoint_every": 1},
+        "run": {"figures": False, "checkpoint_every": 1},
     },
     "settings": {
         "iid": {"label": "digits iid", "config": {"partition": {"scheme": "iid"}}},
@@ -273,7 +273,7 @@ def test_round_flops_match_the_logistic_models_count_by_hand():
     base = {
         "dataset": {"name": "synthetic", "synthetic": {"max_samples": 100, "test_samples": 500}},
         "partition": {"scheme": "natural", "num_clients": 10}, "clients_per_round": 10,
-        "run": {"progress": False, "threads": 1},
+        "run": {"figures": False, "progress": False, "threads": 1},
     }  # fmt: skip
     cfg = build_config(base)
     n = int(SyntheticClients(SyntheticSpec(num_clients=10, seed=cfg.partition_seed(), max_samples=100, test_samples=500)).sizes.sum())
@@ -316,7 +316,7 @@ def test_a_terminated_or_killed_bench_stops_its_cells_and_continues(tmp_path):
     import sys
     import time
 
-    long = {**TINY["protocol"], "rounds": 400, "run": {"checkpoint_every": 1}}
+    long = {**TINY["protocol"], "rounds": 400, "run": {"figures": False, "checkpoint_every": 1}}
     path = _suite(tmp_path, methods={"FedAvg": TINY["methods"]["FedAvg"]}, protocol=long)
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "fedistill.cli", "bench", str(path), "--jobs", "2", "--out", str(out), "--set", "run.threads=1"]

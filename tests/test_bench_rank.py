@@ -21,7 +21,7 @@ SUITE = {
     "protocol": {
         "rounds": 2, "clients_per_round": 3, "dataset": {"name": "digits"},
         "partition": {"num_clients": 6, "seed": 3, "scheme": "lda", "alpha": 0.3},
-        "local": {"epochs": 1, "batch_size": 32, "lr": 0.05}, "run": {"checkpoint_every": 1},
+        "local": {"epochs": 1, "batch_size": 32, "lr": 0.05}, "run": {"figures": False, "checkpoint_every": 1},
     },
     "settings": {"lda": {"label": "digits LDA 0.3", "config": {}}},
     "methods": {

@@ -241,7 +241,7 @@ def test_a_reproduce_preset_prints_and_writes_its_claims(tmp_path, capsys):
         "name": "claims_demo", "title": "claims on digits", "source": "test", "paper_rounds": 2,
         "base": {
             "clients_per_round": 3, "dataset": {"name": "digits"}, "partition": {"num_clients": 6, "scheme": "iid"},
-            "local": {"epochs": 1, "batch_size": 32, "lr": 0.05}, "run": {"progress": False, "threads": 1},
+            "local": {"epochs": 1, "batch_size": 32, "lr": 0.05}, "run": {"figures": False, "progress": False, "threads": 1},
         },
         "columns": {"iid": {"label": "digits iid"}},
         "methods": {

@@ -27,7 +27,7 @@ def fd_config(algorithm: str = "fedict", rounds: int = 2, clients=HETERO, params
         "partition": {"num_clients": 5, "per_client_test": True},
         "model": {"clients": clients, "server": "fd_server_resnet56", "server_kwargs": {"blocks_per_stage": 1}},
         "local": {"epochs": 1, "lr_decay": 1.0, "weight_decay": 5e-4, "batch_size": 64, "lr": 0.05},
-        "run": {"progress": False, "checkpoint_every": 1},
+        "run": {"figures": False, "progress": False, "checkpoint_every": 1},
     }
     for key, value in extra.items():
         section, _, name = key.partition("__")

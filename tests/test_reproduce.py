@@ -25,7 +25,7 @@ TINY = {
         "dataset": {"name": "digits"},
         "partition": {"num_clients": 6, "seed": 3},
         "local": {"epochs": 1, "batch_size": 32, "lr": 0.05},
-        "run": {"progress": False, "checkpoint_every": 1},
+        "run": {"figures": False, "progress": False, "checkpoint_every": 1},
     },
     "columns": {
         "lda": {"label": "digits LDA α=0.3", "config": {"partition": {"scheme": "lda", "alpha": 0.3}}},

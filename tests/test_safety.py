@@ -352,7 +352,7 @@ def test_reproduce_shows_a_nan_test_loss_as_a_failed_cell(tmp_path, monkeypatch)
                 "clients_per_round": 3,
                 "partition": {"scheme": "lda", "num_clients": 6, "alpha": 0.5},
                 "local": {"epochs": 1, "batch_size": 32},
-                "run": {"progress": False, "checkpoint_every": 1},
+                "run": {"figures": False, "progress": False, "checkpoint_every": 1},
             },
             "columns": {"lda": {"label": "LDA"}},
             "methods": {"FedAvg": {"config": {"algorithm": {"name": "fedavg"}}}},
