@@ -21,6 +21,7 @@ from fedistill.losses import (
     generator_adversarial_loss,
     interpolation_gradient_penalty,
     prior_corrected_target,
+    scale_matched_logits,
 )
 from fedistill.models import build_model
 from fedistill.models.flat import get_flat, num_flat, set_flat
@@ -180,22 +181,25 @@ def test_distillation_changes_the_average_from_round_two(digits):
     average = weighted_mean([r["weights"] for r in ordered], aggregation_weights([int(r["num_samples"]) for r in ordered]))
     metrics = sim.algorithm.aggregate(sim.server, info, replies)
     assert not torch.equal(get_flat(sim.server.model), average)
-    assert metrics["dafkd_kd_loss"] >= 0 and metrics["dafkd_refine_seconds"] > 0
+    assert metrics["dafkd_kd_loss"] >= -1e-6 and metrics["dafkd_refine_seconds"] > 0  # a KL, up to rounding
 
 
-def test_the_default_distils_the_mixture_with_the_aggregates_class_prior_written_out(digits, monkeypatch):
-    """Issue 61's default in the server's step: what ``distil`` receives is the mixture ``q`` times ``s̄_ŵ / q̄``,
-    renormalised, with ``s̄_ŵ`` the batch mean of ŵ's own ``softmax(z/T)`` on the generated inputs (written out
-    here), and that costs the model's BN buffers nothing."""
+@pytest.mark.parametrize("teacher_scale", ["raw", "aggregate"])
+def test_the_default_distils_the_mixture_with_the_aggregates_class_prior_written_out(digits, monkeypatch, teacher_scale):
+    """Issue 61's default in the server's step, written out from the teachers' raw scores: (with ``teacher_scale:
+    aggregate``, an option) each teacher's logits
+    centred and scaled, sample by sample, to the standard deviation of ŵ's logits (card ambiguity 20), mixed with
+    Eq. 7's ``α̂ = f_k / Σ_j f_j`` as logits at T (the code), then the mixture ``q`` times ``s̄_ŵ / q̄``,
+    renormalised (ambiguity 19), with ``s̄_ŵ`` the batch mean of ŵ's ``softmax(z/T)``; and that costs the model's
+    BN buffers nothing."""
     import fedistill.algorithms.dafkd as dafkd_module
 
-    sim = Simulation(small_config(**DAFKD, **QUICK), digits)
+    sim = Simulation(small_config(**DAFKD, **QUICK, **{"algorithm.teacher_scale": teacher_scale}), digits)
     sim.run_round(1)
     info, replies = _round(sim, 2)
-    ordered = [replies[c] for c in sorted(replies)]
     algorithm, server = sim.algorithm, sim.server
-    seen = {}
-    real_distil = dafkd_module.distil
+    seen: dict = {"scores": []}
+    real_distil, real_score = dafkd_module.distil, algorithm.score_inputs
 
     def capture(student, inputs, log_target, p, precision):
         seen["inputs"], seen["target"] = inputs, log_target
@@ -203,23 +207,38 @@ def test_the_default_distils_the_mixture_with_the_aggregates_class_prior_written
         seen["aggregate"] = get_flat(student)
         return real_distil(student, inputs, log_target, p, precision)
 
+    def scores(teacher, discriminator, x):  # each teacher's raw logits z_k and discriminator logits ℓ_k
+        z, ell = real_score(teacher, discriminator, x)
+        seen["scores"].append((z.clone(), ell.clone()))
+        return z, ell
+
     monkeypatch.setattr(dafkd_module, "distil", capture)
+    monkeypatch.setattr(algorithm, "score_inputs", scores)
     algorithm.aggregate(server, info, replies)
+    assert len(seen["scores"]) == len(replies)
     model = server.model
     set_flat(model, seen["aggregate"])
-    q = algorithm.teacher_target(server, seen["inputs"], ordered).exp()
     t = algorithm.params.temperature
     model.train()  # the distillation's mode (card ambiguity 8), BN buffers put back by hand after
     saved = [b.clone() for b in model.buffers()]
     with torch.no_grad():
-        s_hat = torch.cat([torch.softmax(model(seen["inputs"][i : i + 32]) / t, dim=1) for i in range(0, 64, 32)])
+        r = torch.cat([model(seen["inputs"][i : i + 32]) for i in range(0, 64, 32)]).float()
         for b, v in zip(model.buffers(), saved):
             b.copy_(v)
+    z = torch.stack([zk for zk, _ in seen["scores"]])  # (K, N, M)
+    f = torch.sigmoid(torch.stack([ell for _, ell in seen["scores"]]))  # (K, N)
+    alpha = f / f.sum(0)
+    centred = z - z.mean(2, keepdim=True)
+    scaled = centred * (r.std(1, unbiased=False)[None, :, None] / centred.std(2, unbiased=False, keepdim=True))
+    q_scaled = torch.softmax((alpha[..., None] * scaled).sum(0) / t, dim=1)
+    q_raw = torch.softmax((alpha[..., None] * z).sum(0) / t, dim=1)
+    q = q_scaled if teacher_scale == "aggregate" else q_raw
+    s_hat = torch.softmax(r / t, dim=1)
     expected = q * (s_hat.mean(0) / q.mean(0))
     expected = expected / expected.sum(1, keepdim=True)
     assert torch.allclose(seen["target"], expected.log(), atol=1e-5)
-    change = float((expected.log() - q.log()).abs().max())
-    assert change > 2e-4, change  # 20x the tolerance above: the correction changes this target (T = 20: q_ic ≈ 1/10)
+    for changed in (q_scaled, q_raw):  # either correction changes this target (T = 20: q_ic ≈ 1/10), by 20x the tolerance
+        assert float((expected.log() - changed.log()).abs().max()) > 2e-4
     assert all(torch.equal(a, b) for a, b in zip(seen["buffers"], saved))
 
 
@@ -282,7 +301,8 @@ def test_client_generator_takes_the_runs_memory_format_with_the_same_samples(dig
 
 def test_privacy_variant_gives_the_discriminator_teacher(digits):
     """Appendix B: Σ_k f_k s_k / Σ_k f_k from the clients' uploads equals Eq. 8 with the discriminators."""
-    plain = Simulation(small_config(**DAFKD, **QUICK), digits)
+    # teacher_scale raw on both sides: privacy mode never sees a teacher's logits, so it cannot rescale them
+    plain = Simulation(small_config(**DAFKD, **QUICK, **{"algorithm.teacher_scale": "raw"}), digits)
     private = Simulation(small_config(**DAFKD, **QUICK, **{"algorithm.privacy": True}), digits)
     for sim in (plain, private):
         sim.run_round(1)
@@ -330,17 +350,23 @@ def test_profiles_fill_unset_switches_and_explicit_values_win():
     assert (p.generator_output, p.distill_bn_mode) == ("data", "train")
     assert (p.client_optimizer, p.client_lr, p.client_weight_decay, p.distill_lr) == ("adam", 1e-4, 0.0, 1e-4)
     assert (p.generator_lr, p.generator_weight_decay) == (1e-4, 1e-4)
-    assert p.target_prior == "teachers"
+    assert p.target_prior == "teachers" and p.teacher_scale == "raw"
     # The default: the code's switches, the joint step on Adam 1e-4 while D trains (the run's SGD after), the
     # penalty on the logit and the aggregate's class prior in the server's target (issue 61).
     default = make_algorithm(small_config(**DAFKD)).params
     assert default.profile == "default"
     for name in DaFKDParams.model_fields:
-        if name not in ("profile", "client_optimizer", "client_lr", "gradient_penalty_on", "target_prior"):
+        if name not in ("profile", "client_optimizer", "client_lr", "gradient_penalty_on", "target_prior", "teacher_scale"):
             assert getattr(default, name) == getattr(p, name), name
     assert (default.client_optimizer, default.client_lr, default.client_weight_decay) == ("adam_gan", 1e-4, 0.0)
     assert default.gradient_penalty_on == "logit"
-    assert default.target_prior == "aggregate"
+    assert default.target_prior == "aggregate" and default.teacher_scale == "raw"
+    # privacy mode cannot rescale the teachers (the server sees only the secure sums): raw is its default, and
+    # asking for both is refused with the way out
+    private = make_algorithm(small_config(**DAFKD, **{"algorithm.privacy": True})).params
+    assert private.teacher_scale == "raw" and private.target_prior == "aggregate"
+    with pytest.raises(ConfigError, match="teacher_scale: raw"):
+        make_algorithm(small_config(**DAFKD, **{"algorithm.privacy": True, "algorithm.teacher_scale": "aggregate_cap"}))
     paper = make_algorithm(small_config(**DAFKD, **{"algorithm.profile": "paper"})).params
     assert (paper.ensemble_space, paper.temperature, paper.kd_reduction) == ("probs", 1.0, "batchmean")
     assert (paper.discriminator_rounds, paper.generator_rounds, paper.gan_epochs, paper.gradient_penalty) == (
@@ -348,7 +374,7 @@ def test_profiles_fill_unset_switches_and_explicit_values_win():
     )  # fmt: skip
     assert (paper.generator_output, paper.distill_bn_mode, paper.client_optimizer) == ("tanh", "eval", "sgd")
     assert (paper.client_lr, paper.distill_lr, paper.generator_lr) == (None, 1e-2, 1e-3)
-    assert paper.target_prior == "teachers"
+    assert paper.target_prior == "teachers" and paper.teacher_scale == "raw"
     p = make_algorithm(small_config(**DAFKD, **{"algorithm.profile": "code", "algorithm.temperature": 4.0})).params
     assert p.temperature == 4.0 and p.ensemble_space == "logits"
 
@@ -752,7 +778,7 @@ def test_server_step_moves_the_average_to_the_teachers_and_raises_accuracy_where
     cfg = small_config(
         rounds=4, clients_per_round=5,
         **{"algorithm.name": "dafkd", "partition.num_clients": 10, "partition.alpha": 0.5, "local.epochs": 2,
-           "algorithm.target_prior": "teachers"},
+           "algorithm.target_prior": "teachers", "algorithm.teacher_scale": "raw"},
     )  # fmt: skip
     sim = Simulation(cfg, digits)
     pipeline = sim.server_runtime.test_pipeline
@@ -795,6 +821,32 @@ def test_server_step_moves_the_average_to_the_teachers_and_raises_accuracy_where
 
 
 # -- issue 61: the collapse under extreme skew and the aggregate's class prior -----------------------------
+
+
+def test_scale_matched_logits_by_hand_and_its_invariants():
+    """Card ambiguity 20: ``z̃ = (z − z̄)·σ(r)/σ(z)`` per teacher and sample. By hand: z = (1, 2, 3) has centred
+    logits (−1, 0, 1) and σ = √(2/3); r = (0, 0, 6) has σ = √8; so z̃ = (−1, 0, 1)·√12. A teacher with equal logits
+    stays zero; on random logits the ranking is kept and σ(z̃) is the reference's, whatever the teacher's scale."""
+    got = scale_matched_logits(torch.tensor([[[1.0, 2.0, 3.0]], [[5.0, 5.0, 5.0]]]), torch.tensor([[0.0, 0.0, 6.0]]))
+    assert torch.allclose(got[0, 0], torch.tensor([-1.0, 0.0, 1.0]) * math.sqrt(12.0), atol=1e-5)
+    assert torch.equal(got[1, 0], torch.zeros(3))
+    g = torch.Generator().manual_seed(0)
+    teachers = torch.randn(3, 50, 10, generator=g) * torch.tensor([1.0, 40.0, 800.0]).view(3, 1, 1)
+    reference = torch.randn(50, 10, generator=g) * 3 + 7
+    scaled = scale_matched_logits(teachers, reference)
+    assert torch.equal(scaled.argsort(dim=2), teachers.argsort(dim=2))
+    assert torch.allclose(scaled.std(dim=2, unbiased=False), reference.std(dim=1, unbiased=False).expand(3, 50), rtol=1e-4)
+    assert torch.allclose(scaled.mean(dim=2), torch.zeros(3, 50), atol=1e-4)
+    # shrink_only: the quiet teacher (σ 1 against the reference's 3) keeps its logits, the loud ones come down
+    capped = scale_matched_logits(teachers, reference, shrink_only=True)
+    centred = teachers - teachers.mean(dim=2, keepdim=True)
+    quiet = centred.std(2, unbiased=False) <= reference.std(1, unbiased=False)
+    assert quiet[0].float().mean() > 0.9 and not quiet[1:].any()
+    assert torch.allclose(capped[quiet], centred[quiet]) and torch.allclose(capped[1:], scaled[1:], rtol=1e-4, atol=1e-4)
+    # per="teacher": one factor per teacher, √(mean_i σ(r_i)² / mean_i σ(z_{k,i})²), by hand on two samples
+    two = scale_matched_logits(torch.tensor([[[0.0, 2.0], [0.0, 6.0]]]), torch.tensor([[0.0, 1.0], [0.0, 1.0]]), per="teacher")
+    factor = math.sqrt(0.25 / ((1.0 + 9.0) / 2))  # σ(r_i) = 0.5 on both; σ(z) = 1 and 3
+    assert torch.allclose(two, torch.tensor([[[-1.0, 1.0], [-3.0, 3.0]]]) * factor, atol=1e-6)
 
 
 def test_prior_corrected_target_written_out():

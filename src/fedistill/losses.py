@@ -525,6 +525,35 @@ def prior_corrected_target(log_target: torch.Tensor, log_reference: torch.Tensor
     return torch.log_softmax(log_q - log_q_bar + log_r_bar, dim=1)
 
 
+def scale_matched_logits(
+    teacher_logits: torch.Tensor, reference_logits: torch.Tensor, per: str = "sample", shrink_only: bool = False
+) -> torch.Tensor:
+    """Each teacher's logits brought to the reference's scale, sample by sample: ``z̃_{k,i} = (z_{k,i} − z̄_{k,i})·σ(r_i)/σ(z_{k,i})``.
+
+    ``teacher_logits`` (K, N, M), ``reference_logits`` (N, M); ``z̄`` and ``σ`` are the mean and the (population)
+    standard deviation over the M classes. The teacher's ranking of the classes on every sample and the ratios of
+    its logit gaps are kept; only the size of its logits is the reference's. A teacher whose logits are all equal
+    on a sample stays all zero there. ``per="teacher"``: one factor per teacher, from the root-mean-square spreads
+    over the batch; ``shrink_only``: factors above 1 are cut to 1 (a teacher quieter than the reference keeps its
+    logits). DaFKD's ``teacher_scale`` option uses it with the aggregate ŵ as the reference (spec/dafkd.md
+    ambiguity 20, issue 61): a client that holds one class ends its local training with logit spreads of hundreds,
+    and the code's logit-space mixture at T = 20 asks the student to regress onto them.
+    """
+    z = teacher_logits.detach().float()
+    r = reference_logits.detach().float()
+    centred = z - z.mean(dim=2, keepdim=True)
+    var = centred.pow(2).mean(dim=2, keepdim=True)  # (K, N, 1)
+    var_ref = (r - r.mean(dim=1, keepdim=True)).pow(2).mean(dim=1, keepdim=True).unsqueeze(0)  # (1, N, 1)
+    if per == "teacher":  # one factor per teacher: root-mean-square spreads over the batch
+        var, var_ref = var.mean(dim=1, keepdim=True), var_ref.mean(dim=1, keepdim=True)
+    elif per != "sample":
+        raise ValueError(f"unknown per {per!r} (sample or teacher)")
+    factor = torch.where(var > 0, (var_ref / var.clamp_min(1e-30)).sqrt(), torch.zeros_like(var))
+    if shrink_only:
+        factor = factor.clamp(max=1.0)
+    return centred * factor
+
+
 def domain_aware_distillation(
     student_logits: torch.Tensor, log_target: torch.Tensor, temperature: float = 1.0, reduction: str = "batchmean"
 ) -> torch.Tensor:

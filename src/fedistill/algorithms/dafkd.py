@@ -80,6 +80,7 @@ from ..losses import (
     generator_adversarial_loss,
     interpolation_gradient_penalty,
     prior_corrected_target,
+    scale_matched_logits,
 )
 from ..models.flat import get_flat, running_statistics_kept, set_flat
 from ..models.generators import build_generator
@@ -114,6 +115,7 @@ PROFILES: dict[str, dict[str, Any]] = {
         "temperature": 20.0,
         "kd_reduction": "mean",
         "target_prior": "teachers",  # the code distils the mixture as it is (issue 61's collapse)
+        "teacher_scale": "raw",
         # point 5: Adam 1e-4 on the clients (no weight decay on the classifier; the generator's 1e-4) and the server.
         "client_optimizer": "adam",
         "client_lr": 1e-4,
@@ -134,6 +136,7 @@ PROFILES: dict[str, dict[str, Any]] = {
         "temperature": 1.0,
         "kd_reduction": "batchmean",
         "target_prior": "teachers",
+        "teacher_scale": "raw",
         "client_optimizer": "sgd",
         "client_lr": None,
         "client_weight_decay": None,
@@ -179,6 +182,11 @@ PROFILES["default"] = {
     "client_weight_decay": 0.0,
     "gradient_penalty_on": "logit",
     "target_prior": "aggregate",
+    # Not a default (issue 61, card ambiguity 20): bringing the teachers to the aggregate's logit scale stops the
+    # next round's one-class clients from blowing their logits up (spreads 327 and 672 on real images, against 14
+    # and 51 from FedAvg's model), but on MNIST α = 0.05 seed 1 it throws round 3's step to chance (47 % -> 11-14 %,
+    # all three forms), where the raw target kept 49 %.
+    "teacher_scale": "raw",
 }
 
 
@@ -207,6 +215,12 @@ class DaFKDParams(FedAvgParams):
     target_prior: Literal["teachers", "aggregate"] = Field(
         "teachers",
         description="class prior of the target on the generated batch: the teachers' own, or the aggregate's (issue 61)",
+    )
+    teacher_scale: Literal["raw", "aggregate", "aggregate_cap", "aggregate_teacher_cap"] = Field(
+        "raw",
+        description="each teacher's logits as they are, or brought to the aggregate's logit scale before mixing: per "
+        "sample (aggregate), per sample only down (aggregate_cap), one factor per teacher only down "
+        "(aggregate_teacher_cap); card ambiguity 20, not the default",
     )
     distill_samples: int = Field(1280, ge=1, description="N: generated distillation inputs per round (40 x 32)")
     distill_epochs: int = Field(40, ge=0, description="E_d: passes over the N samples (0 = FedAvg of the uploads)")
@@ -249,8 +263,20 @@ class DaFKDParams(FedAvgParams):
         if isinstance(data, dict):
             profile = data.get("profile", "default")
             if profile in PROFILES:
-                return {**PROFILES[profile], **data}
+                defaults = dict(PROFILES[profile])
+                if data.get("privacy"):  # the server sees only the secure sums, never a teacher's logits
+                    defaults["teacher_scale"] = "raw"
+                return {**defaults, **data}
         return data
+
+    @model_validator(mode="after")
+    def _scale_needs_the_teachers_logits(self) -> "DaFKDParams":
+        if self.privacy and self.teacher_scale != "raw":
+            raise ValueError(
+                f"teacher_scale: {self.teacher_scale} rescales each teacher's logits at the server, and privacy: true uploads only "
+                "their weighted sums (Appendix B); set teacher_scale: raw (privacy mode's default) or privacy: false"
+            )
+        return self
 
 
 class _Discriminator(nn.Module):
@@ -395,8 +421,12 @@ class DaFKD(FedAvg):
         started = time.perf_counter()
         p = self.params
         x = self.server_distill_inputs(server, info.round)
+        aggregate = once(lambda: self.aggregate_logits(server, x))  # ŵ's logits on x, computed at most once
+        reference = aggregate if p.teacher_scale != "raw" else None
         log_target = distillation_target(
-            self.teacher_target(server, x, replies), lambda: self.student_log_probs(server, x), p.target_prior
+            self.teacher_target(server, x, replies, reference),
+            lambda: torch.log_softmax(aggregate() / p.temperature, dim=1),
+            p.target_prior,
         )
         loss = distil(server.model, x, log_target, p, server.precision)
         return {"dafkd_kd_loss": loss, "dafkd_refine_seconds": time.perf_counter() - started}
@@ -409,8 +439,12 @@ class DaFKD(FedAvg):
             output_map(server.input_mean, server.input_std, server.input_shape, server.device),
         )  # fmt: skip
 
-    def teacher_target(self, server: ServerContext, x: torch.Tensor, replies: list[Message]) -> torch.Tensor:
-        """``log q`` (N, M) of Eq. 8 on the distillation inputs ``x``."""
+    def teacher_target(
+        self, server: ServerContext, x: torch.Tensor, replies: list[Message],
+        reference: Callable[[], torch.Tensor] | None = None,
+    ) -> torch.Tensor:  # fmt: skip
+        """``log q`` (N, M) of Eq. 8 on the distillation inputs ``x``; with ``reference`` (the aggregate's logits on
+        ``x``, ``teacher_scale: aggregate``) each teacher's logits are first brought to its scale, sample by sample."""
         p = self.params
         if p.privacy:
             return privacy_teacher(
@@ -434,10 +468,14 @@ class DaFKD(FedAvg):
             log_alpha = torch.full(teacher_logits.shape[:2], -math.log(len(replies)))  # α̂ = 1/K_t
         else:
             log_alpha = domain_log_importance(torch.stack(disc_logits))
-        return domain_aware_teacher(teacher_logits, log_alpha.to(teacher_logits.device), p.temperature, p.ensemble_space)
+        return mixed_teacher(teacher_logits, log_alpha.to(teacher_logits.device), reference, p)
 
     def student_log_probs(self, server: ServerContext, x: torch.Tensor) -> torch.Tensor:
-        """``log softmax(z_ŵ(x)/T)`` of the aggregate on the distillation inputs, in the batches and BN mode the
+        """``log softmax(z_ŵ(x)/T)`` of the aggregate on the distillation inputs (:meth:`aggregate_logits`)."""
+        return torch.log_softmax(self.aggregate_logits(server, x) / self.params.temperature, dim=1)
+
+    def aggregate_logits(self, server: ServerContext, x: torch.Tensor) -> torch.Tensor:
+        """``z_ŵ(x)``, the aggregate's logits on the distillation inputs (fp32), in the batches and BN mode the
         distillation will see them, with every BN buffer left as it was."""
         p = self.params
         model = server.model
@@ -448,7 +486,7 @@ class DaFKD(FedAvg):
             for start in range(0, x.shape[0], p.distill_batch_size):
                 out.append(model(x[start : start + p.distill_batch_size].to(server.device)).float())
         model.train(was_training)
-        return torch.log_softmax(torch.cat(out) / p.temperature, dim=1)
+        return torch.cat(out)
 
     def _server_teachers(self, server: ServerContext) -> tuple[nn.Module, _Discriminator]:
         if self._teacher is None:
@@ -681,6 +719,33 @@ def privacy_teacher(
     if space == "probs":
         return mix.clamp_min(0).log().float()
     return torch.log_softmax(mix.float() / temperature, dim=1)
+
+
+def mixed_teacher(
+    teacher_logits: torch.Tensor, log_alpha: torch.Tensor, reference: Callable[[], torch.Tensor] | None, p: DaFKDParams
+) -> torch.Tensor:
+    """Eq. 8's ``log q`` (N, M) from the teachers' logits (K, N, M) and ``log α̂`` (K, N), in ``p.ensemble_space`` at
+    ``p.temperature``. Unless ``p.teacher_scale`` is ``raw`` (or no ``reference`` is given), each teacher's logits
+    are first brought towards the reference's scale (the aggregate's logits on the same inputs, card ambiguity 20):
+    ``aggregate`` sample by sample both ways, ``aggregate_cap`` sample by sample only down, ``aggregate_teacher_cap``
+    one factor per teacher over the batch, only down."""
+    if reference is not None and p.teacher_scale != "raw":
+        per = "teacher" if p.teacher_scale == "aggregate_teacher_cap" else "sample"
+        shrink_only = p.teacher_scale.endswith("_cap")
+        teacher_logits = scale_matched_logits(teacher_logits, reference().to(teacher_logits.device), per, shrink_only)
+    return domain_aware_teacher(teacher_logits, log_alpha, p.temperature, p.ensemble_space)
+
+
+def once(compute: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+    """``compute`` called on first use only, its result kept (the aggregate's logits serve two corrections)."""
+    kept: list[torch.Tensor] = []
+
+    def get() -> torch.Tensor:
+        if not kept:
+            kept.append(compute())
+        return kept[0]
+
+    return get
 
 
 def distillation_target(
