@@ -31,7 +31,7 @@ run: install
 	$(VENV)/bin/fedistill run --config configs/digits_fedavg.yaml
 
 # Two test processes with one torch thread each (tests/conftest.py): the small models of the tests use two
-# cores poorly inside one process; on two idle cores the suite takes about 7.5 minutes (1,347 tests; tests/test_cuda.py skips without CUDA).
+# cores poorly inside one process; on two idle cores the suite takes about 6.5 minutes (1,351 tests; tests/test_cuda.py skips without CUDA).
 test: install-test
 	$(PY) -m pytest -n 2
 
