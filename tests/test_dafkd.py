@@ -361,8 +361,8 @@ def test_profiles_fill_unset_switches_and_explicit_values_win():
     assert (default.client_optimizer, default.client_lr, default.client_weight_decay) == ("adam_gan", 1e-4, 0.0)
     assert default.gradient_penalty_on == "logit"
     assert default.target_prior == "aggregate" and default.teacher_scale == "raw"
-    # privacy mode cannot rescale the teachers (the server sees only the secure sums): raw is its default, and
-    # asking for both is refused with the way out
+    # privacy mode cannot rescale the teachers (the server sees only the secure sums): asking for both is refused
+    # with the way out
     private = make_algorithm(small_config(**DAFKD, **{"algorithm.privacy": True})).params
     assert private.teacher_scale == "raw" and private.target_prior == "aggregate"
     with pytest.raises(ConfigError, match="teacher_scale: raw"):

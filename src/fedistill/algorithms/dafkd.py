@@ -263,18 +263,15 @@ class DaFKDParams(FedAvgParams):
         if isinstance(data, dict):
             profile = data.get("profile", "default")
             if profile in PROFILES:
-                defaults = dict(PROFILES[profile])
-                if data.get("privacy"):  # the server sees only the secure sums, never a teacher's logits
-                    defaults["teacher_scale"] = "raw"
-                return {**defaults, **data}
+                return {**PROFILES[profile], **data}
         return data
 
     @model_validator(mode="after")
     def _scale_needs_the_teachers_logits(self) -> "DaFKDParams":
         if self.privacy and self.teacher_scale != "raw":
             raise ValueError(
-                f"teacher_scale: {self.teacher_scale} rescales each teacher's logits at the server, and privacy: true uploads only "
-                "their weighted sums (Appendix B); set teacher_scale: raw (privacy mode's default) or privacy: false"
+                f"teacher_scale: {self.teacher_scale} rescales each teacher's logits at the server, and privacy: true "
+                "uploads only their weighted sums (Appendix B); set teacher_scale: raw (the default) or privacy: false"
             )
         return self
 
