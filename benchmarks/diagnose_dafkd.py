@@ -88,7 +88,8 @@ def main(argv: list[str] | None = None) -> int:
         row["refined"] = algorithm.distils(info.round)  # the summary counts the rounds with a distillation
         if row["refined"]:
             x = algorithm.server_distill_inputs(server, info.round)
-            target = algorithm.teacher_target(server, x, replies).exp()
+            # the target as the step forms it (teacher_scale: the teachers brought to the aggregate's logit scale)
+            target = algorithm.teacher_target(server, x, replies, lambda: algorithm.aggregate_logits(server, x)).exp()
             top = torch.bincount(target.argmax(dim=1), minlength=target.shape[1])
             row.update(
                 sample_pixel_std=float(x.std(dim=0).mean()),

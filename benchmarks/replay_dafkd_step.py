@@ -42,7 +42,7 @@ def replay(dump: dict, overrides: list[str]) -> dict:
     row: dict = {"round": dump["round"]}
     row["acc_aggregate"], row["loss_aggregate"] = runtime.evaluate_global()
     x = algorithm.server_distill_inputs(server, info.round)
-    target = algorithm.teacher_target(server, x, replies).exp()  # q at the run's T
+    target = algorithm.teacher_target(server, x, replies, lambda: algorithm.aggregate_logits(server, x)).exp()  # q at T
     row["target_top_class_share"] = float(torch.bincount(target.argmax(1), minlength=target.shape[1]).max()) / x.shape[0]
     # What a student that matches q at T learns at T = 1: the batch-mean of softmax(T·log q) is its class prior.
     t = algorithm.params.temperature

@@ -181,17 +181,16 @@ def test_distillation_changes_the_average_from_round_two(digits):
     average = weighted_mean([r["weights"] for r in ordered], aggregation_weights([int(r["num_samples"]) for r in ordered]))
     metrics = sim.algorithm.aggregate(sim.server, info, replies)
     assert not torch.equal(get_flat(sim.server.model), average)
-    assert metrics["dafkd_kd_loss"] >= -1e-6 and metrics["dafkd_refine_seconds"] > 0  # a KL, up to rounding
+    assert metrics["dafkd_kd_loss"] >= 0 and metrics["dafkd_refine_seconds"] > 0
 
 
 @pytest.mark.parametrize("teacher_scale", ["raw", "aggregate"])
 def test_the_default_distils_the_mixture_with_the_aggregates_class_prior_written_out(digits, monkeypatch, teacher_scale):
-    """Issue 61's default in the server's step, written out from the teachers' raw scores: (with ``teacher_scale:
-    aggregate``, an option) each teacher's logits
-    centred and scaled, sample by sample, to the standard deviation of ŵ's logits (card ambiguity 20), mixed with
-    Eq. 7's ``α̂ = f_k / Σ_j f_j`` as logits at T (the code), then the mixture ``q`` times ``s̄_ŵ / q̄``,
+    """Issue 61's default in the server's step, written out from the teachers' raw scores: the teachers' logits
+    mixed with Eq. 7's ``α̂ = f_k / Σ_j f_j`` as logits at T (the code), then the mixture ``q`` times ``s̄_ŵ / q̄``,
     renormalised (ambiguity 19), with ``s̄_ŵ`` the batch mean of ŵ's ``softmax(z/T)``; and that costs the model's
-    BN buffers nothing."""
+    BN buffers nothing. With the option ``teacher_scale: aggregate`` (ambiguity 20) each teacher's logits are
+    first centred and scaled, sample by sample, to the standard deviation of ŵ's logits."""
     import fedistill.algorithms.dafkd as dafkd_module
 
     sim = Simulation(small_config(**DAFKD, **QUICK, **{"algorithm.teacher_scale": teacher_scale}), digits)
@@ -237,8 +236,10 @@ def test_the_default_distils_the_mixture_with_the_aggregates_class_prior_written
     expected = q * (s_hat.mean(0) / q.mean(0))
     expected = expected / expected.sum(1, keepdim=True)
     assert torch.allclose(seen["target"], expected.log(), atol=1e-5)
-    for changed in (q_scaled, q_raw):  # either correction changes this target (T = 20: q_ic ≈ 1/10), by 20x the tolerance
-        assert float((expected.log() - changed.log()).abs().max()) > 2e-4
+    # the prior correction changes this target (T = 20: q_ic ≈ 1/10) by 20x the tolerance above, and so does the scaling
+    assert float((expected.log() - q.log()).abs().max()) > 2e-4
+    if teacher_scale == "aggregate":
+        assert float((q_scaled.log() - q_raw.log()).abs().max()) > 2e-4
     assert all(torch.equal(a, b) for a, b in zip(seen["buffers"], saved))
 
 
@@ -301,8 +302,7 @@ def test_client_generator_takes_the_runs_memory_format_with_the_same_samples(dig
 
 def test_privacy_variant_gives_the_discriminator_teacher(digits):
     """Appendix B: Σ_k f_k s_k / Σ_k f_k from the clients' uploads equals Eq. 8 with the discriminators."""
-    # teacher_scale raw on both sides: privacy mode never sees a teacher's logits, so it cannot rescale them
-    plain = Simulation(small_config(**DAFKD, **QUICK, **{"algorithm.teacher_scale": "raw"}), digits)
+    plain = Simulation(small_config(**DAFKD, **QUICK), digits)
     private = Simulation(small_config(**DAFKD, **QUICK, **{"algorithm.privacy": True}), digits)
     for sim in (plain, private):
         sim.run_round(1)

@@ -440,8 +440,8 @@ class DaFKD(FedAvg):
         self, server: ServerContext, x: torch.Tensor, replies: list[Message],
         reference: Callable[[], torch.Tensor] | None = None,
     ) -> torch.Tensor:  # fmt: skip
-        """``log q`` (N, M) of Eq. 8 on the distillation inputs ``x``; with ``reference`` (the aggregate's logits on
-        ``x``, ``teacher_scale: aggregate``) each teacher's logits are first brought to its scale, sample by sample."""
+        """``log q`` (N, M) of Eq. 8 on the distillation inputs ``x`` (:func:`mixed_teacher`); ``reference`` gives the
+        aggregate's logits on ``x``, to whose scale a ``teacher_scale`` other than ``raw`` brings the teachers."""
         p = self.params
         if p.privacy:
             return privacy_teacher(
