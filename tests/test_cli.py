@@ -12,7 +12,8 @@ import pytest
 
 from fedistill.cli import main
 
-FAST = ["--rounds", "3", "--clients", "6", "--clients-per-round", "3", "--epochs", "1", "--no-progress"]
+# run.figures=false except where a test reads the run's figures (test_run_writes_the_whole_run_directory)
+FAST = ["--rounds", "3", "--clients", "6", "--clients-per-round", "3", "--epochs", "1", "--no-progress", "--set", "run.figures=false"]
 
 
 def _run(tmp_path: Path, *extra: str, name: str = "r") -> Path:
@@ -21,7 +22,7 @@ def _run(tmp_path: Path, *extra: str, name: str = "r") -> Path:
 
 
 def test_run_writes_the_whole_run_directory(tmp_path, capsys):
-    run = _run(tmp_path, "--target", "30")
+    run = _run(tmp_path, "--target", "30", "--set", "run.figures=true")  # the last --set wins
     for name in ("config.yaml", "metrics.jsonl", "metrics.csv", "summary.json", "partition_counts.csv", "accuracy.png", "partition.png", "checkpoint.pt"):
         assert (run / name).is_file(), name
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
