@@ -165,6 +165,13 @@ def main(argv: list[str] | None = None) -> int:
         )
 
     def after(server, info, replies, row, metrics):
+        if info.round in args.dump_rounds:  # the model the next round's clients start from, beside the step's inputs
+            from pathlib import Path
+
+            path = Path(args.dump_dir) / f"dafkd_step_seed{cfg.seed}_round{info.round}.pt"
+            dump = torch.load(path, weights_only=False)
+            dump["distilled"] = get_flat(server.model).clone()
+            torch.save(dump, path)
         if row.get("refined"):  # the student's logit spread after the distillation, on real test images
             with torch.no_grad():
                 student = server.model
