@@ -63,6 +63,7 @@ def on_config(config: Any) -> Any:
         {"Guides": [
             {"Commands, Python API, plugins, configuration": "usage.md"},
             {"Your own method, dataset, model or partition": "guides/extend.md"},
+            {"Clients with different architectures: model groups": "guides/model-groups.md"},
             {"Flower across machines": "flower.md"},
             {"Benchmarks, on Ray or SLURM": "bench.md"},
             {"Speed, shared cores, the GPU path": "speed.md"},

@@ -108,6 +108,22 @@ def assert_same_rounds(cfg_a, cfg_b, dataset, rounds=2):
         assert torch.equal(va, vb)
 
 
+def hetero_config(algorithm, clients=None, **overrides):
+    """small_config for a method whose clients keep their own models (local_only, fd, fedproto): three clients,
+    all selected every round, two rounds; ``clients`` gives each its architecture (model.clients)."""
+    tree = {"algorithm": algorithm if isinstance(algorithm, dict) else {"name": algorithm}, "rounds": 2,
+            "partition.num_clients": 3, "clients_per_round": 3}  # fmt: skip
+    if clients is not None:
+        tree["model.clients"] = clients
+    return small_config(**{**tree, **overrides})
+
+
+def own_models(sim):
+    """{client id: its own model's flat vector} from a simulation's client store (clients that have trained)."""
+    store = sim.server_runtime.client_store
+    return {cid: store.load(cid)["model"] for cid in range(sim.federation.num_clients) if "model" in store.load(cid)}
+
+
 def assert_learns(dataset, algorithm, threshold=70.0, **overrides):
     """15 rounds on 10 label-skewed digit clients must end far above chance (10%)."""
     from fedistill.simulation import Simulation

@@ -635,6 +635,29 @@ def test_fake_grid_federated_distillation_equals_the_simulation(tmp_path, keep_t
         assert state.keys() == sim_state.keys() and state["setup_sent"] is True
         assert torch.equal(state["model"], sim_state["model"]) and torch.equal(state["momentum"], sim_state["momentum"])
 
+# ==================== own models and class statistics (local_only, fd, fedproto): rows and ids, or nothing
+@pytest.mark.parametrize(
+    "algorithm, clients",
+    [
+        ("local_only", ["digits_cnn", "mlp", "resnet8"]),  # empty Messages both ways
+        ("fd", ["digits_cnn", "mlp", "resnet8"]),  # per-class logits with ids and counts up, the table down
+        ("fedproto", ["digits_cnn", "resnet8", "logistic"]),  # prototypes, and the evaluate phase scores with the new ones
+    ],
+)
+def test_fake_grid_own_model_methods_equal_the_simulation(tmp_path, keep_threads, task_identity, algorithm, clients):
+    """Three architectures, two rounds, over Flower's transport encoding: the rows (personal accuracies, bytes from
+    the same Messages, the uncounted training loss) and every client's own model in its node's context.state
+    equal the simulation's exactly."""
+    cfg = flower_config(rounds=2, algorithm={"name": algorithm}, **{"model.clients": clients, "local.lr": 0.01})
+    sim, sim_history, grid, rows, _, _ = simulation_and_wire_run(cfg, tmp_path)
+    keys = ("clients", "train_loss", "bytes_down", "bytes_up", "test_accuracy", "personal_clients", "personal_accuracies")
+    assert [{k: r[k] for k in keys} for r in rows] == [{k: r[k] for k in keys} for r in sim_history]
+    assert rows[-1]["personal_clients"] == [0, 1, 2] and (rows[-1]["bytes_up"] > 0) == (algorithm != "local_only")
+    for cid in range(3):
+        state = load_client_state(grid.contexts[1000 + cid].state, cid)
+        assert torch.equal(state["model"], sim.server_runtime.client_store.load(cid)["model"])
+
+
 # ================================== personalised models assembled on the clients: Flower's evaluate phase
 @pytest.mark.parametrize(
     "algorithm, model",

@@ -23,7 +23,7 @@ RUN_FLAGS: list[tuple[str, str, type, str]] = [
     ("--dataset", "dataset.name", str, "dataset name"),
     ("--data-dir", "dataset.data_dir", str, "directory of the official dataset files (env FEDISTILL_DATA)"),
     ("--model", "model.name", str, "model name (default: the dataset's)"),
-    ("--partition", "partition.scheme", str, "iid, shards, lda, client_dirichlet; natural for synthetic"),
+    ("--partition", "partition.scheme", str, "iid, shards, lda, client_dirichlet; natural for synthetic and npz_federation"),
     ("--alpha", "partition.alpha", float, "Dirichlet concentration"),
     ("--shards", "partition.shards_per_client", int, "shards per client (shards scheme)"),
     ("--clients", "partition.num_clients", int, "number of clients K"),
@@ -230,13 +230,14 @@ def cmd_list(args: argparse.Namespace) -> int:
     from . import models as _m  # noqa: F401
     from .data import partition as _p  # noqa: F401
     from .data import sources as _s  # noqa: F401
-    from .registry import ALGORITHMS, DATASETS, GENERATORS, MODELS, PARTITIONS
+    from .registry import ALGORITHMS, DATASETS, GENERATORS, MODEL_GROUPS, MODELS, PARTITIONS
 
     from .runner import make_console
 
     console = make_console(wide=True)
     registries = (
-        ("algorithms", ALGORITHMS), ("datasets", DATASETS), ("models", MODELS), ("generators", GENERATORS),
+        ("algorithms", ALGORITHMS), ("datasets", DATASETS), ("models", MODELS),
+        ("model groups (model.group: client k trains member k mod M)", MODEL_GROUPS), ("generators", GENERATORS),
         ("partitions", PARTITIONS),
     )  # fmt: skip
     for title, reg in registries:
@@ -244,7 +245,8 @@ def cmd_list(args: argparse.Namespace) -> int:
         for name in reg.names():
             limits = getattr(reg.get(name), "cannot_run", {}) if reg is ALGORITHMS else {}
             cannot = "".join(f" Cannot run {dataset}: {why}." for dataset, why in limits.items())
-            table.add_row(name, reg.describe(name) + cannot)
+            members = f". Members: {', '.join(reg.get(name)())}" if reg is MODEL_GROUPS else ""
+            table.add_row(name, reg.describe(name) + members + cannot)
         console.print(table)
     # The configurations and presets that ship with the package (fedistill/configs), with the paper each
     # preset reproduces: both are found from any directory.

@@ -35,10 +35,12 @@ DATASET_DEFAULTS: dict[str, dict[str, Any]] = {
     "svhn": {"model": "cnn", "augment": []},
     # FedProx trains multinomial logistic regression on its synthetic data.
     "synthetic": {"model": "logistic", "augment": []},
+    # A federation read from per-client files (HtFLlib's layout): its images as stored, no augmentation.
+    "npz_federation": {"model": "cnn", "augment": []},
 }
 
 # Datasets that define their own clients (partition.scheme natural) instead of being split by labels.
-NATURAL_DATASETS = ("synthetic",)
+NATURAL_DATASETS = ("synthetic", "npz_federation")
 
 
 # Strict types: a bool is not a number (``rounds: true`` would be 1 round), a float is not an int
@@ -133,6 +135,9 @@ class DatasetConfig(_Section):
         description="train on a fixed random subset of this many training samples (seed 0, the same for every run "
         "seed and method; the test set stays whole): for reduced protocols",
     )
+    num_classes: int | None = Field(
+        None, ge=2, description="npz_federation: the number of classes (default: the largest label in the files + 1)"
+    )
 
 
 class PartitionConfig(_Section):
@@ -149,8 +154,16 @@ class PartitionConfig(_Section):
 class ModelConfig(_Section):
     name: str | None = Field(None, description="model name; null = the dataset's default")
     kwargs: dict[str, Any] = Field(default_factory=dict)
-    # Per-client architectures (FedICT's heterogeneous setting, experiments-fedict.md §4). At most one of
-    # the two; with neither, every client uses ``name``.
+    # Per-client architectures (FedICT's heterogeneous setting, experiments-fedict.md §4; HtFLlib's model groups).
+    # At most one of the three; with none, every client uses ``name``.
+    group: str | None = Field(
+        None,
+        description="a model group (fedistill list: model groups): client k uses member k mod M, all with one feature "
+        "dimension and a linear head (HtFLlib's HtFE groups)",
+    )
+    group_kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="options for the group's members, each given to those that take it, e.g. {feature_dim: 256}"
+    )
     clients: list[str] | None = Field(
         None, min_length=1, description="client k uses clients[k mod len] (FedICT Table V: five models, five clients)"
     )
@@ -164,6 +177,9 @@ class ModelConfig(_Section):
     def _one_assignment(self) -> "ModelConfig":
         if self.clients is not None and self.client_mix is not None:
             raise ValueError("model.clients and model.client_mix: set one of them, not both")
+        if self.group is not None and (self.clients is not None or self.client_mix is not None):
+            other = "clients" if self.clients is not None else "client_mix"
+            raise ValueError(f"model.group and model.{other}: set one of them, not both")
         if self.client_mix is not None:
             if not self.client_mix:
                 raise ValueError("model.client_mix: give at least one model name with its probability")
@@ -177,8 +193,26 @@ class ModelConfig(_Section):
 
     def client_model_names(self) -> list[str]:
         """Every architecture a client may use (in first-use order)."""
-        names = self.clients or list(self.client_mix or {})
+        names = self.clients or list(self.client_mix or {}) or self.group_members()
         return list(dict.fromkeys(names))
+
+    def group_members(self) -> list[str]:
+        """The members of ``group`` in assignment order (none without a group); an unknown group is a ConfigError."""
+        if self.group is None:
+            return []
+        from .models.group import group_members
+
+        return list(group_members(self.group))
+
+    def kwargs_for(self, name: str, default_name: str) -> dict[str, Any]:
+        """The options model ``name`` is built with: for a member of ``group`` the ``group_kwargs`` it takes, for
+        ``default_name`` (the run's model.name) ``kwargs``, else none."""
+        if name in self.group_members():
+            from .models import model_options
+
+            accepted = model_options(name)
+            return {key: value for key, value in self.group_kwargs.items() if key in accepted}
+        return dict(self.kwargs) if name == default_name else {}
 
 
 class LocalConfig(_Section):
@@ -337,6 +371,18 @@ class Config(_Section):
         for key in ("min_size", "max_retries"):
             if getattr(p, key) is not None and p.scheme != "lda":
                 raise ValueError(f"partition.{key}: only used by the lda scheme, not {p.scheme}")
+        if self.dataset.name == "npz_federation":
+            # The files are the clients and each test file is its client's own split: what the run uses unless
+            # the user said otherwise (an explicit other scheme is refused below; per_client_test false tests the
+            # global model on all the test files pooled).
+            if "scheme" not in p.model_fields_set:
+                p.scheme = "natural"
+            if "per_client_test" not in p.model_fields_set:
+                p.per_client_test = True
+        elif self.dataset.num_classes is not None:
+            raise ValueError(
+                f"dataset.num_classes: only npz_federation takes it (dataset {self.dataset.name} knows its classes); remove it"
+            )
         natural = self.dataset.name in NATURAL_DATASETS
         if natural and p.scheme != "natural":
             raise ValueError(
@@ -349,7 +395,14 @@ class Config(_Section):
             )
         if self.dataset.synthetic is not None and self.dataset.name != "synthetic":
             raise ValueError(f"dataset.synthetic: options of the synthetic dataset, but dataset.name is {self.dataset.name}")
-        if natural:
+        if self.dataset.name == "npz_federation":
+            if self.dataset.resize is not None:
+                raise ValueError("dataset.resize: npz_federation takes its files' images as they are; resize them in the files")
+            if self.dataset.train_samples is not None:
+                raise ValueError(
+                    "dataset.train_samples: npz_federation's clients are its files, taken whole; subsample them in the files"
+                )
+        elif natural:
             if self.dataset.resize is not None:
                 raise ValueError(f"dataset.resize: dataset {self.dataset.name} has feature vectors, not images")
             if self.dataset.augment:
@@ -390,6 +443,9 @@ class Config(_Section):
             # The synthetic federation is generated, with its clients, from the partition seed.
             synthetic = self.dataset.synthetic or SyntheticConfig()
             options.update(num_clients=self.partition.num_clients, seed=self.partition_seed(), **synthetic.model_dump())
+        if self.dataset.name == "npz_federation":
+            # The files are checked against the configured client count; the classes default to the labels'.
+            options.update(num_clients=self.partition.num_clients, num_classes=self.dataset.num_classes)
         return options
 
     def to_dict(self) -> dict[str, Any]:
@@ -406,7 +462,7 @@ class Config(_Section):
         from .algorithms.build import make_algorithm
 
         tree = self.to_dict()
-        if not (self.model.clients or self.model.client_mix):
+        if not (self.model.clients or self.model.client_mix or self.model.group):
             tree["model"]["name"] = self.model_name()
         tree["dataset"]["augment"] = self.augmentations()
         if self.dataset.name == "synthetic" and self.dataset.synthetic is None:
@@ -664,8 +720,19 @@ def validate_names(cfg: Config) -> None:
             raise ConfigError(
                 f"model.kwargs.{key}: not an option of model {cfg.model_name()!r} (accepted: {', '.join(accepted) or 'none'})"
             )
-    for name in cfg.model.client_model_names():
-        MODELS.get(name, key="model.clients" if cfg.model.clients else "model.client_mix")
+    assigned_by = "model.clients" if cfg.model.clients else "model.client_mix" if cfg.model.client_mix else "model.group"
+    for name in cfg.model.client_model_names():  # an unknown model.group is refused here, with the groups listed
+        MODELS.get(name, key=assigned_by)
+    if cfg.model.group is not None:
+        members = cfg.model.group_members()
+        for key in cfg.model.group_kwargs:
+            if not any(key in model_options(name) for name in members):
+                options = sorted({option for name in members for option in model_options(name)})
+                raise ConfigError(
+                    f"model.group_kwargs.{key}: no member of group {cfg.model.group!r} takes it (accepted: {', '.join(options)})"
+                )
+    elif cfg.model.group_kwargs:
+        raise ConfigError("model.group_kwargs: set model.group too (the options belong to the group's members)")
     if cfg.model.server is not None:
         MODELS.get(cfg.model.server, key="model.server")
         accepted = model_options(cfg.model.server)

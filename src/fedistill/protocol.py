@@ -29,6 +29,12 @@ Scalar = int | float | bool | str
 SCALAR_BYTES = 8
 # Reply keys the engine adds for personalised evaluation (not counted as communication, Message.nbytes).
 EVAL_PREFIX = "eval."
+# Reply keys a method adds only for the run's metrics (its training loss and the samples it averages over, from
+# :func:`metric_items`): a report, not the method's payload, so not counted either. Methods whose card counts
+# every byte that travels (FD, FedProto: rows, class ids and counts, nothing else) report their loss this way;
+# FedAvg's ``num_samples`` is its aggregation weight and stays payload.
+METRIC_PREFIX = "metric."
+UNCOUNTED_PREFIXES = (EVAL_PREFIX, METRIC_PREFIX)
 
 
 class Message(Mapping[str, Any]):
@@ -73,12 +79,13 @@ class Message(Mapping[str, Any]):
     def nbytes(self) -> int:
         """Payload bytes: tensor elements times element size, 8 per number, UTF-8 length per string.
 
-        Evaluation reports (keys under ``eval.``, added by the engine after a client's update) are not the
-        algorithm's payload and are not counted: a deployment would send them only when asked to evaluate.
+        Evaluation reports (keys under ``eval.``, added by the engine after a client's update) and metric
+        reports (keys under ``metric.``, :func:`metric_items`) are not the algorithm's payload and are not counted:
+        a deployment would send them only when asked to evaluate or to monitor.
         """
         total = 0
         for key, value in self._items.items():
-            if key.startswith(EVAL_PREFIX):
+            if key.startswith(UNCOUNTED_PREFIXES):
                 continue
             if isinstance(value, torch.Tensor):
                 total += value.numel() * value.element_size()
@@ -87,6 +94,146 @@ class Message(Mapping[str, Any]):
             else:
                 total += SCALAR_BYTES
         return total
+
+
+def metric_items(train_loss: float, num_samples: int) -> dict[str, Scalar]:
+    """A reply's training report as uncounted keys (``metric.train_loss``, ``metric.num_samples``)."""
+    return {f"{METRIC_PREFIX}train_loss": float(train_loss), f"{METRIC_PREFIX}num_samples": int(num_samples)}
+
+
+def reported_train_loss(reply: Mapping[str, Any]) -> tuple[float, int] | None:
+    """(training loss, samples it averages over) of a reply: its payload keys ``train_loss``/``num_samples``
+    (FedAvg's family) or its uncounted :func:`metric_items`; None when it reports none."""
+    for prefix in ("", METRIC_PREFIX):
+        if f"{prefix}train_loss" in reply:
+            return float(reply[f"{prefix}train_loss"]), int(reply.get(f"{prefix}num_samples", 1))
+    return None
+
+
+# -- per-class rows: the general form of "these tensors, with these counts" ----------------------------------
+CLASSES, ROWS, COUNTS = "classes", "rows", "counts"
+
+
+@dataclass(frozen=True)
+class ClassRows:
+    """Per-class tensors for the classes a side holds: FD's mean logits, FedProto's prototypes, a server's table.
+
+    ``classes`` (n,) int64 ascending class ids, ``rows`` (n, d) float32 (row i belongs to ``classes[i]``),
+    ``counts`` (n,) int64 how many samples (or forward passes) made each row, or None where the receiver needs
+    none (a server's table). On the wire they are the Message keys ``{prefix}classes``, ``{prefix}rows`` and
+    ``{prefix}counts``, so the byte count is what travels: ``n·(4d + 8)`` without counts, ``n·(4d + 16)`` with,
+    never a dense C × d table.
+    """
+
+    classes: torch.Tensor
+    rows: torch.Tensor
+    counts: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        n = int(self.classes.numel())
+        if self.classes.dim() != 1 or self.classes.dtype != torch.int64:
+            raise ValueError(f"ClassRows: classes must be a 1-d int64 tensor, got {self.classes.dtype} {tuple(self.classes.shape)}")
+        if self.rows.dim() != 2 or self.rows.shape[0] != n:
+            raise ValueError(f"ClassRows: {n} classes need rows of shape ({n}, d), got {tuple(self.rows.shape)}")
+        if self.counts is not None and (self.counts.dtype != torch.int64 or tuple(self.counts.shape) != (n,)):
+            raise ValueError(f"ClassRows: counts must be ({n},) int64, got {self.counts.dtype} {tuple(self.counts.shape)}")
+        if n > 1 and not bool((self.classes[1:] > self.classes[:-1]).all()):
+            raise ValueError("ClassRows: class ids must be strictly ascending (one row per class)")
+
+    def __len__(self) -> int:
+        return int(self.classes.numel())
+
+    def items(self, prefix: str = "") -> dict[str, torch.Tensor]:
+        """The Message entries (tensors on the CPU, float32 rows)."""
+        out = {f"{prefix}{CLASSES}": self.classes.cpu(), f"{prefix}{ROWS}": self.rows.float().cpu()}
+        if self.counts is not None:
+            out[f"{prefix}{COUNTS}"] = self.counts.cpu()
+        return out
+
+    @classmethod
+    def read(cls, msg: Mapping[str, Any], prefix: str = "") -> "ClassRows | None":
+        """The rows a Message carries under ``prefix``, or None when it carries none (an empty table sends nothing)."""
+        if f"{prefix}{CLASSES}" not in msg:
+            return None
+        return cls(msg[f"{prefix}{CLASSES}"].long(), msg[f"{prefix}{ROWS}"].float(), msg.get(f"{prefix}{COUNTS}"))
+
+    @classmethod
+    def from_dense(cls, table: torch.Tensor, present: torch.Tensor) -> "ClassRows":
+        """The rows of a C × d ``table`` whose ``present`` flag is set (a server's table for the wire)."""
+        classes = torch.nonzero(present.cpu()).flatten()
+        return cls(classes, table.cpu()[classes].float())
+
+    def dense(self, num_classes: int, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+        """(C × d table with zero rows for absent classes, (C,) bool: which classes have a row), on ``device``."""
+        if len(self) and not (0 <= int(self.classes[0]) and int(self.classes[-1]) < num_classes):
+            raise ValueError(f"ClassRows: class ids outside 0..{num_classes - 1}: {self.classes.tolist()}")
+        table = torch.zeros(num_classes, self.rows.shape[1], dtype=torch.float32)
+        present = torch.zeros(num_classes, dtype=torch.bool)
+        table[self.classes] = self.rows.float().cpu()
+        present[self.classes] = True
+        return table.to(device), present.to(device)
+
+
+# -- what a method exchanges ---------------------------------------------------------------------------------
+EXCHANGE_KINDS = ("weights", "knowledge", "class statistics", "shared sub-model", "nothing")
+
+
+@dataclass(frozen=True)
+class Exchange:
+    """What a method's clients upload, as far as the engine must know it to set a run up; the engine reads the
+    declaration, never the method's name (a method sets ``exchange = Exchange(...)``, or one of the kinds).
+
+    ``kind``:
+
+    - ``"weights"``: every client trains a copy of one global model (one architecture), which the server holds
+      and the engine evaluates on the test set;
+    - ``"knowledge"``: per-sample features and logits of split client models (``split_features``); the server
+      trains ``model.server`` on them (FedGKT's protocol);
+    - ``"class statistics"``: per-class tensors for the classes a client holds, with their ids and counts
+      (:class:`ClassRows`: FD's mean logits, FedProto's prototypes);
+    - ``"shared sub-model"``: a part every client holds in one shape beside a private rest (a head, a small
+      model), which the method averages itself;
+    - ``"nothing"``: no traffic at all (clients train alone).
+
+    Every kind but ``"weights"`` lets each client keep its own model, of its own architecture, scored on its own
+    test split (personal accuracy; no global model on the test set). ``uploads`` names what travels up, in the
+    engine's messages ("per-class mean logits"). ``common_feature``: the uploaded rows are features added across
+    clients, so every client model needs ``extract`` and one ``feature_dim`` for all.
+    """
+
+    kind: str = "weights"
+    uploads: str = ""
+    common_feature: bool = False
+
+    def __post_init__(self) -> None:
+        if self.kind not in EXCHANGE_KINDS:
+            raise ValueError(f"exchange kind {self.kind!r}: choose one of {', '.join(EXCHANGE_KINDS)}")
+        if not self.uploads:
+            words = {"weights": "its weights", "knowledge": "per-sample features and logits", "nothing": "nothing",
+                     "class statistics": "per-class statistics", "shared sub-model": "a shared sub-model"}  # fmt: skip
+            object.__setattr__(self, "uploads", words[self.kind])
+
+    @property
+    def global_model(self) -> bool:
+        """The server holds a model of the clients' one architecture, evaluated on the test set."""
+        return self.kind == "weights"
+
+    @property
+    def server_predictor(self) -> bool:
+        """The server trains ``model.server`` on the clients' uploaded features."""
+        return self.kind == "knowledge"
+
+    @property
+    def own_models(self) -> bool:
+        """Each client keeps a model of its own (any architecture), scored on its own test split."""
+        return self.kind != "weights"
+
+
+def exchange_of(algorithm: Any) -> Exchange:
+    """The :class:`Exchange` an algorithm (instance or class) declares; a plain kind string is read as that kind
+    (``exchange = "weights"``, the default, or ``"knowledge"``)."""
+    declared = getattr(algorithm, "exchange", "weights")
+    return declared if isinstance(declared, Exchange) else Exchange(str(declared))
 
 
 @dataclass
@@ -193,12 +340,13 @@ class Algorithm:
 
     name: ClassVar[str] = ""
     Params: ClassVar[type[AlgorithmParams]] = AlgorithmParams
-    # What travels between clients and server. "weights": every client trains a copy of one global model
-    # (one architecture), which the engine evaluates on the test set. "knowledge" (federated distillation,
-    # spec/fedgkt.md): each client keeps its own model, possibly of its own architecture (model.clients);
-    # the server's model is ``model.server`` over the clients' uploaded features and is never evaluated on
-    # images, so accuracy is personal (each client's own model on its own test split).
-    exchange: ClassVar[str] = "weights"
+    # What travels between clients and server (:class:`Exchange`, or one of its kinds as a string). "weights":
+    # every client trains a copy of one global model (one architecture), which the engine evaluates on the test
+    # set. "knowledge" (federated distillation, spec/fedgkt.md): each client keeps its own model, possibly of its
+    # own architecture (model.clients); the server's model is ``model.server`` over the clients' uploaded
+    # features and is never evaluated on images, so accuracy is personal (each client's own model on its own
+    # test split). "class statistics", "shared sub-model", "nothing": own models too, and no server model.
+    exchange: ClassVar["str | Exchange"] = "weights"
     # The model whose accuracy on client k's test split is client k's personalised accuracy: "global" (the
     # aggregated model, fmtl-baselines.md §1) or "local" (the model the client holds after its update).
     # "assembled": the client builds it after aggregation from what the server sends it next (the new shared
@@ -244,6 +392,13 @@ class Algorithm:
         """What client ``cid`` needs after round ``info.round``'s aggregation to assemble its personalised model:
         by default the broadcast it would get at the start of the next round."""
         return self.broadcast(server, RoundInfo(info.round + 1, info.lr), cid)
+
+    def personal_predictor(self, client: ClientContext) -> torch.nn.Module:
+        """What scores client ``client.cid``'s test samples once ``client.model`` holds its personalised model
+        (after ``local_update`` for personal_model "local", after :meth:`assemble_personal_model` for
+        "assembled"): a module whose outputs' argmax is the prediction. By default the model itself (its head); a
+        prototype method returns a nearest-prototype classifier on the model's features (spec/fedproto.md P5)."""
+        return client.model
 
     def assemble_personal_model(self, client: ClientContext, msg: Message) -> None:
         """Load client ``client.cid``'s personalised model into ``client.model`` from ``msg`` (from

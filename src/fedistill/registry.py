@@ -123,6 +123,8 @@ class Registry(Generic[T]):
 
 DATASETS: Registry = Registry("dataset")
 MODELS: Registry = Registry("model")
+# Named lists of model names (models/group.py): client k trains member k mod M; an entry returns its members.
+MODEL_GROUPS: Registry = Registry("model group")
 GENERATORS: Registry = Registry("generator")  # server-side image generators (models/generators.py), not classifiers
 PARTITIONS: Registry = Registry("partition")
 ALGORITHMS: Registry = Registry("algorithm")

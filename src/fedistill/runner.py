@@ -404,12 +404,15 @@ def refresh_seed_group(path: Path, cfg: Any, console: Console | None = None) -> 
 
 def describe_models(cfg: Any) -> str:
     """The model(s) a run trains, for its first log line: one name, or the client and server architectures."""
+    from .protocol import exchange_of
     from .registry import ALGORITHMS
 
     names = cfg.model.client_model_names()
     clients = ", ".join(names) if names else cfg.model_name()
-    # Only the federated-distillation methods train model.server (others ignore it, with a warning).
-    server = cfg.model.server if getattr(ALGORITHMS.get(cfg.algorithm.name), "exchange", "weights") == "knowledge" else None
+    if cfg.model.group is not None:
+        clients = f"group {cfg.model.group} ({clients})"
+    # Only methods that declare a server predictor train model.server (others ignore it, with a warning).
+    server = cfg.model.server if exchange_of(ALGORITHMS.get(cfg.algorithm.name)).server_predictor else None
     if server is None and not names:
         return clients
     return f"clients: {clients}" + (f"; server: {server}" if server else "")

@@ -3,6 +3,7 @@
 from . import (  # noqa: F401
     dafkd,
     demlearn,
+    fd,
     fedadam,
     fedavg,
     fedcurv,
@@ -17,7 +18,9 @@ from . import (  # noqa: F401
     fednova,
     fedntd,
     fedprox,
+    fedproto,
     fedrs,
+    local_only,
     moon,
     mtfl,
     pfedme,

@@ -15,7 +15,7 @@ name                 params                                spec
 ``lda``              ``alpha``, ``min_size=10``,           experiments-fedlmd.md §2 "LDA / Dirichlet",
                      ``max_retries=None``                  experiments-fedict.md §3, DaFKD (min 100)
 ``client_dirichlet`` ``alpha``                             experiments-fedftg-dafkd.md §A (FedFTG/FedDyn)
-``natural``          (none)                                the dataset's own clients (synthetic)
+``natural``          (none)                                the dataset's own clients (synthetic, npz_federation)
 ==================== ===================================== =========================================
 
 Randomness: a scheme draws everything from ``np.random.default_rng(seed)`` -- one stream per call and never
@@ -543,14 +543,14 @@ def client_dirichlet(train_labels: np.ndarray, num_clients: int, seed: int, *, a
 
 @PARTITIONS.register("natural")
 def natural(train_labels: np.ndarray, num_clients: int, seed: int) -> list[np.ndarray]:
-    """The dataset's own clients: a dataset that generates its federation (synthetic) is not split by labels.
+    """The dataset's own clients: a dataset that makes its federation (synthetic, npz_federation) is not split by labels.
 
     The engine takes such a federation from the dataset itself (``engine.federation.build_federation``);
     called on plain labels, there is nothing natural to return.
     """
     raise PartitionError(
         "partition.scheme natural: these labels come from a dataset without clients of its own; only a dataset "
-        "that makes its own clients (synthetic) has a natural partition -- use iid, shards, lda or client_dirichlet"
+        "that makes its own clients (synthetic, npz_federation) has a natural partition -- use iid, shards, lda or client_dirichlet"
     )
 
 

@@ -118,8 +118,11 @@ class ClientRuntime:
         return Message(**{f"{EVAL_PREFIX}correct": int(correct.sum()), f"{EVAL_PREFIX}count": int(correct.numel())})
 
     def personal_correct(self, ctx: ClientContext) -> torch.Tensor:
-        """Whether the worker (holding this client's model) classifies each of the client's test samples right."""
+        """Whether the worker (holding this client's model) classifies each of the client's test samples right,
+        with the method's predictor on it (the model's head, or e.g. the nearest global prototype)."""
         batches = self.pipeline.test_batches_of(ctx.test_indices, self.cfg.eval.batch_size)
-        return evaluate(ctx.model, batches, self.cfg.run.precision, per_sample=True).correct
+        predictor = getattr(self.algorithm, "personal_predictor", None)  # a plugin that does not subclass Algorithm has none
+        model = predictor(ctx) if predictor is not None else ctx.model
+        return evaluate(model, batches, self.cfg.run.precision, per_sample=True).correct
 
 

@@ -25,12 +25,13 @@ def build_model_for(
     kwargs: dict[str, Any] | None = None,
 ) -> torch.nn.Module:
     """The configured model (or the architecture ``name``), initialised from its own seeded stream
-    (global RNG left untouched). ``model.kwargs`` belong to ``model.name`` only."""
+    (global RNG left untouched). ``model.kwargs`` belong to ``model.name`` only, ``model.group_kwargs`` to the
+    members of ``model.group``."""
     from ..models import build_model
 
     name = name or cfg.model_name()
     if kwargs is None:
-        kwargs = cfg.model.kwargs if name == cfg.model_name() else {}
+        kwargs = cfg.model.kwargs_for(name, cfg.model_name())
     with cpu_seeded(derive_seed(cfg.seed, *seed_coords)):
         model = build_model(name, tuple(input_shape or dataset.input_shape), dataset.num_classes, **kwargs)
     model = model.to(cfg.run.device)

@@ -20,8 +20,8 @@ from ..data.dataset import Dataset
 from ..data.pipeline import TensorPipeline
 from ..errors import ConfigError, TrainingDiverged
 from ..models.flat import get_flat, num_flat, set_flat
-from ..protocol import EVAL_PREFIX, Algorithm, Message, RoundInfo, ServerContext
-from .architectures import check_architectures
+from ..protocol import EVAL_PREFIX, Algorithm, Message, RoundInfo, ServerContext, exchange_of, reported_train_loss
+from .architectures import check_architectures, check_client_models
 from .checkpoint import (
     CHECKPOINT_NAME,
     check_compatible,
@@ -63,12 +63,8 @@ def kl_from_uniform(counts: torch.Tensor) -> float:
 ClientEvaluator = Callable[[RoundInfo, dict[int, Message]], dict[int, Message]]
 
 
-def non_finite_step(replies: Mapping[int, Any]) -> str:
-    """Which step made a round's global model non-finite, read off the uploads (only once it has happened): the
-    clients whose uploads hold NaN/inf and in which entries (a client's local update diverged; for a method that
-    uploads more than weights, the entry says which of its steps: DaFKD's ``generator`` is its generator step,
-    ``weights`` and ``discriminator`` its joint classifier-and-discriminator step), or, when every upload is
-    finite, the server's own step (aggregation, a server optimiser or a refiner)."""
+def non_finite_uploads(replies: Mapping[int, Any]) -> dict[int, list[str]]:
+    """{client id: the entries of its upload that hold NaN/inf} (empty when every upload is finite)."""
     bad: dict[int, list[str]] = {}
     for cid, reply in replies.items():
         for key, value in reply.items():  # a Message is flat: tensors and scalars
@@ -78,6 +74,16 @@ def non_finite_step(replies: Mapping[int, Any]) -> str:
                 finite = not isinstance(value, float) or math.isfinite(value)
             if not finite:
                 bad.setdefault(cid, []).append(key)
+    return bad
+
+
+def non_finite_step(replies: Mapping[int, Any]) -> str:
+    """Which step made a round's global model non-finite, read off the uploads (only once it has happened): the
+    clients whose uploads hold NaN/inf and in which entries (a client's local update diverged; for a method that
+    uploads more than weights, the entry says which of its steps: DaFKD's ``generator`` is its generator step,
+    ``weights`` and ``discriminator`` its joint classifier-and-discriminator step), or, when every upload is
+    finite, the server's own step (aggregation, a server optimiser or a refiner)."""
+    bad = non_finite_uploads(replies)
     if not bad:
         return "in the server's step (every upload was finite: aggregation, the server optimiser or a refiner)"
     shown = [f"client {cid} ({', '.join(keys)})" for cid, keys in list(bad.items())[:4]]
@@ -126,14 +132,17 @@ class ServerRuntime:
         self.client_test_indices = client_test_indices
         # The server evaluates on the global test split; it never augments.
         self.test_pipeline = TensorPipeline(dataset, device=self.device, channels_last=cfg.run.channels_last)
-        self.knowledge_exchange = getattr(self.algorithm, "exchange", "weights") == "knowledge"
+        # What the method declares it exchanges (protocol.Exchange): whether the server holds a global model to
+        # evaluate, trains model.server on the clients' features, or holds no model at all.
+        self.exchange = exchange_of(self.algorithm)
+        # One built model per architecture, to check what the method needs of them and to size their weights.
+        client_models = {name: build_model_for(cfg, dataset, (INIT,), name) for name in dict.fromkeys(self.architectures)}
+        check_client_models(cfg, self.algorithm, client_models)
         # What one client's weights would cost per round (down + up) for each architecture: the reference
         # of the communication ratio (experiments-fedict.md §6, "FedAvg-type: 8·|W|").
-        self.weight_exchange_bytes = {
-            name: 2 * 4 * num_flat(build_model_for(cfg, dataset, (INIT,), name)) for name in set(self.architectures)
-        }
+        self.weight_exchange_bytes = {name: 2 * 4 * num_flat(model) for name, model in client_models.items()}
         self.server = ServerContext(
-            model=self._server_model(cfg, dataset),
+            model=self._server_model(cfg, dataset, client_models),
             state={},
             generator=make_generator(cfg.seed, SERVER, 0),
             num_classes=dataset.num_classes,
@@ -156,13 +165,16 @@ class ServerRuntime:
         self.next_row_marks: dict[str, Any] = {}
         self.algorithm.init_server(self.server)
 
-    def _server_model(self, cfg: Config, dataset: Dataset) -> torch.nn.Module:
-        """The global model; for knowledge exchange, ``model.server`` on the clients' feature maps."""
-        if not self.knowledge_exchange:
+    def _server_model(self, cfg: Config, dataset: Dataset, client_models: dict[str, torch.nn.Module]) -> torch.nn.Module:
+        """The global model; for knowledge exchange, ``model.server`` on the clients' feature maps; for a method
+        whose clients keep their own models and the server trains none, an empty module (what the server keeps,
+        a table or a header, lives in ``server.state``)."""
+        if self.exchange.global_model:
             return build_model_for(cfg, dataset, (INIT,))
+        if not self.exchange.server_predictor:
+            return torch.nn.Module()
         shapes = {}
-        for name in dict.fromkeys(self.architectures):
-            client_model = build_model_for(cfg, dataset, (INIT,), name)
+        for name, client_model in client_models.items():
             if not hasattr(client_model, "split_features"):
                 raise ConfigError(
                     f"model.clients: {name!r} has no extractor/predictor split; {cfg.algorithm.display_name()} needs "
@@ -351,9 +363,12 @@ class ServerRuntime:
         server_seconds = time.perf_counter() - aggregate_start
         rnd = info.round
         aggregate, self.server.aggregate = self.server.aggregate, None  # ŵ before any server refiner's step
-        if not bool(torch.isfinite(get_flat(self.server.model)).all()):
+        if num_flat(self.server.model) == 0:  # no server model: the uploads are what the round made
+            if non_finite_uploads(replies):
+                self._diverged(rnd, info, f"a client's upload became non-finite (NaN/inf) {non_finite_step(replies)}")
+        elif not bool(torch.isfinite(get_flat(self.server.model)).all()):
             self._diverged(rnd, info, f"the global model became non-finite (NaN/inf) {non_finite_step(replies)}")
-        losses = [(float(r["train_loss"]), int(r.get("num_samples", 1))) for r in replies.values() if "train_loss" in r]
+        losses = [loss for loss in map(reported_train_loss, replies.values()) if loss is not None]
         weight = sum(n for _, n in losses)
         row: dict[str, Any] = {
             "round": rnd,
@@ -367,7 +382,7 @@ class ServerRuntime:
         }
         eval_start = time.perf_counter()
         evaluate_now = rnd % self.cfg.eval.every == 0 or rnd == self.cfg.rounds
-        if evaluate_now and not self.knowledge_exchange:
+        if evaluate_now and self.exchange.global_model:
             row["test_accuracy"], row["test_loss"], predictions, correct = self.evaluate_global_with_predictions(
                 per_sample=True
             )
@@ -389,7 +404,7 @@ class ServerRuntime:
             if reports:
                 row.update(personal_metrics_from_counts(reports))
         on_clients = self.algorithm.personal_model == "assembled" or (
-            self.algorithm.personal_model == "global" and self.personal_on_clients and not self.knowledge_exchange
+            self.algorithm.personal_model == "global" and self.personal_on_clients and self.exchange.global_model
         )
         if on_clients and evaluate_now and self.cfg.partition.per_client_test:
             row.update(self.evaluate_assembled(info, list(replies)))

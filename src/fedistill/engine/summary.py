@@ -12,10 +12,15 @@ from ..protocol import EVAL_PREFIX, Message
 PERSONAL_QUANTILES = {"min": 0.0, "q1": 0.25, "median": 0.5, "q3": 0.75, "max": 1.0}
 
 
-def _personal_row(accuracies: dict[int, float]) -> dict[str, Any]:
+def _personal_row(accuracies: dict[int, float], correct: int, count: int) -> dict[str, Any]:
+    """The personal metrics of one evaluation: ``accuracies`` per client (%), and ``correct`` of ``count`` test
+    samples over the same clients."""
     cids = sorted(accuracies)
     values = torch.tensor([accuracies[c] for c in cids], dtype=torch.float64)
     row: dict[str, Any] = {"personal_accuracy": float(values.mean())}  # unweighted over clients (avg UA)
+    # The clients' test samples pooled: correct over all of them, each client weighted by its test size (HtFLlib's
+    # and FedProx's reported accuracy), beside the mean over clients.
+    row["personal_pooled_accuracy"] = 100.0 * correct / count
     for name, q in PERSONAL_QUANTILES.items():
         row[f"personal_{name}"] = float(torch.quantile(values, q))
     row["personal_clients"] = cids
@@ -27,10 +32,14 @@ def personal_metrics(correct_by_client: Mapping[int, torch.Tensor]) -> dict[str,
     """avg UA and its spread over clients (experiments-fedict.md §6) from per-sample correctness.
 
     ``personal_accuracy`` is the unweighted mean of the clients' accuracies (%), as the paper's np.mean;
-    the quartiles show how differently the clients fare. Clients with an empty test split are left out.
+    the quartiles show how differently the clients fare; ``personal_pooled_accuracy`` is the share of all the
+    clients' test samples that are right. Clients with an empty test split are left out.
     """
-    accuracies = {cid: 100.0 * float(c.double().mean()) for cid, c in correct_by_client.items() if c.numel()}
-    return _personal_row(accuracies) if accuracies else {}
+    held = {cid: c for cid, c in correct_by_client.items() if c.numel()}
+    accuracies = {cid: 100.0 * float(c.double().mean()) for cid, c in held.items()}
+    correct = sum(int(c.sum()) for c in held.values())
+    count = sum(int(c.numel()) for c in held.values())
+    return _personal_row(accuracies, correct, count) if accuracies else {}
 
 
 def personal_metrics_of_ranges(correct: torch.Tensor, offsets: Any) -> dict[str, Any]:
@@ -43,17 +52,19 @@ def personal_metrics_of_ranges(correct: torch.Tensor, offsets: Any) -> dict[str,
     present = torch.nonzero(counts > 0).flatten()
     shares = 100.0 * hits[present].double() / counts[present].double()
     accuracies = dict(zip(present.tolist(), shares.tolist()))
-    return _personal_row(accuracies) if accuracies else {}
+    return _personal_row(accuracies, int(hits.sum()), int(counts.sum())) if accuracies else {}
 
 
 def personal_metrics_from_counts(replies: Mapping[int, Message]) -> dict[str, Any]:
     """The same, from the correct/count reports clients attached to their replies (their own models)."""
-    accuracies = {
-        cid: 100.0 * int(r[f"{EVAL_PREFIX}correct"]) / int(r[f"{EVAL_PREFIX}count"])
+    counts = {
+        cid: (int(r[f"{EVAL_PREFIX}correct"]), int(r[f"{EVAL_PREFIX}count"]))
         for cid, r in replies.items()
         if int(r[f"{EVAL_PREFIX}count"]) > 0
     }
-    return _personal_row(accuracies) if accuracies else {}
+    accuracies = {cid: 100.0 * correct / count for cid, (correct, count) in counts.items()}
+    correct, count = sum(c for c, _ in counts.values()), sum(n for _, n in counts.values())
+    return _personal_row(accuracies, correct, count) if accuracies else {}
 
 
 def summarise(history: list[dict[str, Any]], target: float | None, metric: str = "global") -> dict[str, Any]:
@@ -97,4 +108,8 @@ def summarise(history: list[dict[str, Any]], target: float | None, metric: str =
         # mean of the last 10 evaluated rounds (experiments-fedict.md §6 asks for it next to the final value)
         tail = personal[-10:]
         summary["last10_personal_accuracy"] = sum(r["personal_accuracy"] for r in tail) / len(tail)
+        pooled = [r["personal_pooled_accuracy"] for r in personal if r.get("personal_pooled_accuracy") is not None]
+        if pooled:  # (rows written before the pooled value existed lack it)
+            summary["final_personal_pooled_accuracy"] = pooled[-1]
+            summary["best_personal_pooled_accuracy"] = max(pooled)
     return summary

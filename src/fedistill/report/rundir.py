@@ -22,7 +22,7 @@ from ..fileio import atomic_open, atomic_write, remove_temporaries
 
 METRIC_COLUMNS = [
     "round", "lr", "clients", "train_loss", "test_accuracy", "test_loss", "personal_accuracy", "personal_min",
-    "personal_q1", "personal_median", "personal_q3", "personal_max", "bytes_down", "bytes_up",
+    "personal_q1", "personal_median", "personal_q3", "personal_max", "personal_pooled_accuracy", "bytes_down", "bytes_up",
     "bytes_weight_exchange", "train_seconds", "server_seconds", "eval_seconds", "seconds",
 ]
 

@@ -17,6 +17,9 @@ Data directory layout (``<data>`` is ``data_dir``, else ``$FEDISTILL_DATA``, els
     <data>/cinic-10/        {train,test}/<class>/*.png
     (digits needs no files: it ships with scikit-learn; synthetic is generated from the seed, data/synthetic.py)
 
+A federation already split into clients (``npz_federation``, HtFLlib's layout) is read from the directory
+``data_dir`` names itself: ``<dir>/{train,test}/<client>.npz`` (``npz_federation.py``).
+
 Offline first: nothing is fetched unless ``download=True`` (CLI ``--download``), and then only the missing
 files, through :mod:`fedistill.data.download` (atomic, md5-checked; ``FEDISTILL_MIRROR`` overrides the
 host). If an official archive (CIFAR ``.tar.gz``, EMNIST ``gzip.zip``) is already in place, the missing
@@ -34,8 +37,9 @@ Every problem a user can cause (missing directory, missing/truncated/corrupt fil
 Modules, one per format family: ``common`` (the md5 table and md5-checked reading, label and count
 checks, channel statistics, ``_build``, missing-file errors and hints, official archives), ``idx`` (MNIST,
 Fashion-MNIST, EMNIST: IDX files and EMNIST's zip), ``cifar`` (CIFAR-10/100 pickles and archives), ``svhn``
-(.mat files), ``cinic`` (CINIC-10 PNG folders), ``digits`` (scikit-learn's digits). This package holds the
-entry points below and imports every format module, so importing it registers every dataset.
+(.mat files), ``cinic`` (CINIC-10 PNG folders), ``digits`` (scikit-learn's digits), ``npz_federation`` (per-client
+.npz files). This package holds the entry points below and imports every format module, so importing it
+registers every dataset.
 """
 
 from __future__ import annotations
@@ -73,6 +77,7 @@ from .idx import (
     load_fashion_mnist,
     load_mnist,
 )
+from .npz_federation import load_npz_federation
 from .svhn import SVHN_FILES, load_svhn
 
 __all__ = [
@@ -93,6 +98,7 @@ __all__ = [
     "load_cinic10",
     "load_digits",
     "load_synthetic",
+    "load_npz_federation",
     # the format modules' constants, still importable from here as before the split
     "CIFAR10_ARCHIVE",
     "CIFAR100_ARCHIVE",

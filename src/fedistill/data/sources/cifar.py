@@ -1,13 +1,13 @@
 """CIFAR-10 and CIFAR-100: the official Python pickles, extracted from the official ``.tar.gz`` when missing.
 
-Unpickling is restricted to the numpy globals the official batches need (:data:`_PICKLE_GLOBALS`); each
-batch's keys, shapes and labels are checked before use.
+Unpickling is restricted to the globals numpy arrays need (:mod:`fedistill.data.safe_pickle`: a pickle can name
+any callable, so even the official files are read that way); each batch's keys, shapes and labels are checked
+before use.
 """
 
 from __future__ import annotations
 
 import io
-import pickle
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -17,6 +17,7 @@ from ...errors import DatasetError
 from ...registry import DATASETS
 from .. import download as _download
 from ..dataset import Dataset
+from ..safe_pickle import load_restricted
 from .common import MD5, _build, _check_count, _check_labels, _ensure_archive, _read_checked
 
 CIFAR10_FOLDER = "cifar-10-batches-py"
@@ -27,39 +28,10 @@ CIFAR100_ARCHIVE = "cifar-100-python.tar.gz"
 CIFAR100_FILES = ("train", "test")
 
 
-# Globals the official CIFAR pickles (numpy arrays inside Python 2 pickles) need, and nothing else: a
-# pickle can name any callable, so even on the official files unpickling is restricted to these.
-_PICKLE_GLOBALS = {
-    ("numpy", "ndarray"),
-    ("numpy", "dtype"),
-    ("numpy.core.multiarray", "_reconstruct"),
-    ("numpy._core.multiarray", "_reconstruct"),
-    ("numpy.core.multiarray", "scalar"),
-    ("numpy._core.multiarray", "scalar"),
-    ("numpy.core.numeric", "_frombuffer"),
-    ("numpy._core.numeric", "_frombuffer"),
-    ("_codecs", "encode"),  # how Python 3 writes bytes in protocol-2 pickles
-}
-
-
-_NUMPY_2 = int(np.__version__.split(".")[0]) >= 2
-
-
-class _ArrayUnpickler(pickle.Unpickler):
-    """Unpickler that only resolves the numpy globals of :data:`_PICKLE_GLOBALS`."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) not in _PICKLE_GLOBALS:
-            raise pickle.UnpicklingError(f"refusing to load global {module}.{name}")
-        if module.startswith("numpy.core") and _NUMPY_2:
-            module = "numpy._core" + module[len("numpy.core"):]  # numpy 2 renamed it; avoids a warning
-        return super().find_class(module, name)
-
-
 def _unpickle(path: Path, raw: bytes) -> dict:
     try:
         # encoding="bytes": the official pickles were written by Python 2, their str keys become bytes.
-        obj = _ArrayUnpickler(io.BytesIO(raw), encoding="bytes").load()
+        obj = load_restricted(io.BytesIO(raw), encoding="bytes")
     except Exception as exc:  # any failure of the decoder means a corrupt or foreign file
         raise DatasetError(
             f"{path}: cannot unpickle ({type(exc).__name__}: {exc}); the file is truncated, corrupt or not "

@@ -1,0 +1,96 @@
+"""Shared pieces of the heterogeneous-model family (HtFLlib's baselines: Local, FD, FedProto; FedGH and FedTGP
+build on the same): each client keeps a model of its own architecture as a flat vector in its state, and what
+travels is per-class rows (:class:`~fedistill.protocol.ClassRows`), never weights.
+
+Not a method: the methods compose these (their own files read top to bottom next to their cards). The pure maths
+(sums, the server's mean over holders, the losses, nearest-prototype scores) is in :mod:`fedistill.class_losses`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..class_losses import class_sums, nearest_prototype_scores
+from ..models.flat import get_flat, set_flat
+from ..protocol import ClassRows, ClientContext
+from .local import autocast_context
+
+# HtFLlib's pre-tuned client settings (system/total.sh; spec/experiments-hetero.md §4): plain SGD at 0.01 (no
+# momentum, no weight decay, no decay of the rate), batches of 10, one local epoch; and per-client test splits,
+# since these methods have no global model to test. ``config_defaults`` of each method fills them where the user
+# left them unset. (HtFLlib's join ratio 1 is the run's clients_per_round = partition.num_clients.)
+HTFLLIB_DEFAULTS: dict[str, Any] = {
+    "local": {"lr": 0.01, "batch_size": 10, "epochs": 1, "momentum": 0.0, "weight_decay": 0.0, "lr_decay": 1.0},
+    "partition": {"per_client_test": True},
+}
+
+# Client-state key of the client's own model (a flat vector: parameters and BatchNorm statistics).
+OWN_MODEL = "model"
+
+
+def load_own_model(client: ClientContext) -> None:
+    """Put the client's own model into the reused worker (its architecture's seeded initial weights before its
+    first round)."""
+    stored = client.state.get(OWN_MODEL)
+    set_flat(client.model, stored if stored is not None else client.initial_weights)
+
+
+def keep_own_model(client: ClientContext) -> None:
+    client.state[OWN_MODEL] = get_flat(client.model)
+
+
+class ClassAccumulator:
+    """Per-class sums and counts of detached rows over a round's forward passes (FD2, P2), on the client's device;
+    :meth:`upload` makes the held classes' means."""
+
+    def __init__(self, num_classes: int) -> None:
+        self.num_classes = num_classes
+        self.sums: torch.Tensor | None = None
+        self.counts: torch.Tensor | None = None
+
+    def add(self, values: torch.Tensor, labels: torch.Tensor) -> None:
+        sums, counts = class_sums(values, labels, self.num_classes)
+        if self.sums is None or self.counts is None:
+            self.sums, self.counts = sums, counts
+        else:
+            self.sums += sums
+            self.counts += counts
+
+    def upload(self) -> ClassRows | None:
+        """The classes seen at least once (ascending), their mean rows (float32) and counts; None if none."""
+        if self.sums is None or self.counts is None:
+            return None
+        counts, sums = self.counts.cpu(), self.sums.cpu()
+        held = torch.nonzero(counts > 0).flatten()
+        return ClassRows(held, (sums[held] / counts[held, None].to(torch.float64)).float(), counts[held])
+
+
+@torch.no_grad()
+def eval_class_means(client: ClientContext, batch_size: int = 256) -> ClassRows | None:
+    """Class means of the features of every training sample, in eval mode, un-augmented (fedproto.md
+    ``proto_timing: after_training``; FedGH's GH3 and FedTGP's T2 make their prototypes this way)."""
+    model = client.model
+    model.eval()
+    acc = ClassAccumulator(client.data.num_classes)
+    for start in range(0, client.num_samples, batch_size):
+        x, y = client.data.clean_batch(client.train_indices[start : start + batch_size])
+        with autocast_context(client.precision, client.device):
+            features = model.extract(x)
+        acc.add(features.float(), y)
+    return acc.upload()
+
+
+class NearestPrototype(nn.Module):
+    """A classifier over ``model``'s features: the nearest of the global prototypes (spec/fedproto.md P5); its
+    outputs are :func:`~fedistill.class_losses.nearest_prototype_scores`, so their argmax is the prediction."""
+
+    def __init__(self, model: nn.Module, prototypes: torch.Tensor, present: torch.Tensor) -> None:
+        super().__init__()
+        self.model = model
+        self.prototypes, self.present = prototypes, present
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nearest_prototype_scores(self.model.extract(x), self.prototypes, self.present)
