@@ -90,3 +90,63 @@ def nearest_prototype_scores(features: torch.Tensor, prototypes: torch.Tensor, p
     for a class without a prototype (never predicted). argmax breaks ties towards the lowest class id."""
     squared = (features.float()[:, None, :] - prototypes[None, :, :]).pow(2).sum(2)
     return torch.where(present[None, :], -squared, torch.full_like(squared, float("-inf")))
+
+
+def prototype_distance_regulariser(
+    features: torch.Tensor, labels: torch.Tensor, prototypes: torch.Tensor, present: torch.Tensor
+) -> torch.Tensor:
+    """FedTGP's client term in the paper's form (spec/fedtgp.md T1 with ``client_distance: euclidean``, A1) without
+    its weight λ: ``(1/|b|) Σ_{i: y_i ∈ G} ‖r_i − P̂^{y_i}‖₂``, the distance φ itself (not squared, not over d).
+    The square root is guarded at 0 as in :func:`prototype_distances` (finite gradient for a feature on its
+    prototype); a row without a prototype adds 0 but counts in ``|b|``."""
+    features = features.float()
+    squared = (features - prototypes[labels]).pow(2).sum(1)
+    distance = squared.clamp_min(DISTANCE_FLOOR).sqrt()
+    return torch.where(present[labels], distance, torch.zeros_like(distance)).sum() / features.shape[0]
+
+
+# The smallest squared distance whose square root is taken (spec/fedtgp.md A4): sqrt has an infinite gradient at
+# 0; below this floor the clamp passes no gradient at all. Distances of rows that differ are far above it.
+DISTANCE_FLOOR = 1e-12
+
+
+def prototype_distances(rows: torch.Tensor, prototypes: torch.Tensor) -> torch.Tensor:
+    """``D_ij = ‖p_i − P̂^j‖₂`` (spec/fedtgp.md T6, A4): (n, C) Euclidean distances of every row to every prototype.
+
+    From the differences themselves, never from HtFLlib's expansion ``‖p‖² − 2p·P̂ + ‖P̂‖²`` (which rounding can make
+    negative, a NaN under the root), and with the squared distance clamped at :data:`DISTANCE_FLOOR` so that a row
+    lying on a prototype has a finite loss and finite gradients (invariant 9)."""
+    squared = (rows.float()[:, None, :] - prototypes.float()[None, :, :]).pow(2).sum(2)
+    return squared.clamp_min(DISTANCE_FLOOR).sqrt()
+
+
+def adaptive_margin(class_means: torch.Tensor, present: torch.Tensor, threshold: float) -> float:
+    """FedTGP's margin δ_t (spec/fedtgp.md T4-T5): ``min( max_c min_{c'≠c} ‖Q^c − Q^{c'}‖₂ , τ )`` over the classes
+    uploaded this round (``present``), ``class_means`` the (C, d) table of Q (the unweighted means over holders,
+    T3, from :func:`mean_over_holders`).
+
+    A class not uploaded gets the smallest gap of the uploaded ones, so it never raises the maximum: the maximum
+    is taken over the uploaded classes alone. Fewer than two uploaded classes: δ = τ. Computed in float64."""
+    means = class_means[present.to(class_means.device)].to(torch.float64)
+    if means.shape[0] < 2:
+        return float(threshold)
+    gaps = (means[:, None, :] - means[None, :, :]).pow(2).sum(2).sqrt()
+    gaps.fill_diagonal_(float("inf"))
+    return min(float(gaps.min(1).values.max()), float(threshold))
+
+
+def margin_contrastive_loss(rows: torch.Tensor, labels: torch.Tensor, prototypes: torch.Tensor, margin: float) -> torch.Tensor:
+    """FedTGP's adaptive-margin-enhanced contrastive loss (spec/fedtgp.md T6) on a batch of uploaded rows:
+    ``mean_i CE( −(D_i + δ · onehot(y_i)), y_i )`` with ``D`` from :func:`prototype_distances` over all C prototypes,
+    i.e. ``−log e^{−(D_{iy}+δ)} / (e^{−(D_{iy}+δ)} + Σ_{j≠y} e^{−D_ij})``: the own class's distance is lengthened by
+    the margin, so the row must be nearer its own prototype than any other by δ to be confident. The rows are
+    data; gradients reach the prototypes (and what made them)."""
+    distances = prototype_distances(rows, prototypes)
+    onehot = F.one_hot(labels, prototypes.shape[0]).to(distances.dtype)
+    return F.cross_entropy(-(distances + margin * onehot), labels)
+
+
+def header_loss(header: torch.nn.Module, rows: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """FedGH's server loss (spec/fedgh.md GH4) on a batch of uploaded prototypes: ``(1/|b|) Σ_{(p,c)∈b} CE(H(p), c)``,
+    every (client, class) row counting once whatever its sample count (ambiguity 6)."""
+    return F.cross_entropy(header(rows.float()), labels)

@@ -313,6 +313,10 @@ class ServerContext:
     # maps them into the models' input space with it (DaFKD's code profile). Empty: unknown (DaFKD then refuses).
     input_mean: tuple[float, ...] = ()
     input_std: tuple[float, ...] = ()
+    # The clients' common feature dimension d where the method declares ``Exchange.common_feature`` (every client
+    # model's ``feature_dim``, checked equal): what a server module on the uploaded rows is sized by (FedGH's
+    # header, FedTGP's prototypes). 0 otherwise.
+    feature_dim: int = 0
     # The round's aggregate ŵ as a flat vector, set by FedAvg-family aggregation before any server refiner
     # changes the model (FedFTG, FedDF, DaFKD): the engine evaluates it to record what the server's own step
     # did to accuracy and to tell which step threw a collapsed round to chance (issue 61). Transient: the

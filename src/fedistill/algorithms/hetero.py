@@ -8,6 +8,7 @@ Not a method: the methods compose these (their own files read top to bottom next
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -94,3 +95,43 @@ class NearestPrototype(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return nearest_prototype_scores(self.model.extract(x), self.prototypes, self.present)
+
+
+def stacked_uploads(uploads: Sequence[ClassRows]) -> tuple[torch.Tensor, torch.Tensor]:
+    """All uploaded rows and their class ids, one row per (client, class), in the uploads' (client-id) order:
+    the tiny labelled set FedGH's header and FedTGP's prototypes are trained on (fedgh.md GH4, fedtgp.md T7)."""
+    return torch.cat([u.rows.float() for u in uploads]), torch.cat([u.classes.long() for u in uploads])
+
+
+def sgd_on_rows(
+    module: nn.Module,
+    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    rows: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    epochs: int,
+    batch_size: int,
+    lr: float,
+    generator: torch.Generator,
+) -> float:
+    """The server's training on the uploaded rows (fedgh.md GH4, fedtgp.md T7): ``epochs`` passes, each a fresh
+    permutation from ``generator`` cut into batches of ``batch_size`` (the last partial batch kept), one
+    plain-SGD step of ``module``'s parameters (a new, stateless optimiser) on ``loss(rows, labels)`` per batch.
+    Returns the sample-weighted mean loss of the last epoch (nan when nothing was trained)."""
+    device = next(module.parameters()).device
+    rows, labels = rows.to(device), labels.to(device)
+    optimizer = torch.optim.SGD(module.parameters(), lr=lr)
+    module.train()
+    last = float("nan")
+    for _ in range(epochs):
+        order = torch.randperm(rows.shape[0], generator=generator).to(device)
+        total = torch.zeros((), dtype=torch.float64, device=device)
+        for start in range(0, rows.shape[0], batch_size):
+            batch = order[start : start + batch_size]
+            optimizer.zero_grad(set_to_none=True)
+            value = loss(rows[batch], labels[batch])
+            value.backward()
+            optimizer.step()
+            total += value.detach().double() * batch.numel()
+        last = float(total / max(rows.shape[0], 1))
+    return last

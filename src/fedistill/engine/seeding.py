@@ -23,6 +23,8 @@ FEDGEN = 6  # FedGen's server-side feature generator
 DAFKD = 7  # DaFKD's global generator (initial weights) and the round's distillation noise
 ASSIGNMENT = 8  # the seeded random draw of each client's architecture (model.client_mix)
 FD_SERVER = 9  # the federated-distillation server's batch order in round t (FedGKT, FedDKC, FedICT)
+FEDGH = 10  # FedGH's global header (initial weights) and the round's order of the uploaded rows
+FEDTGP = 11  # FedTGP's prototype generator (initial weights) and the round's order of the uploaded rows
 
 
 def derive_seed(seed: int, *coords: int) -> int:

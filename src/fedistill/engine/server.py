@@ -157,6 +157,7 @@ class ServerRuntime:
             data_resize=cfg.dataset.resize,
             input_mean=tuple(dataset.mean),
             input_std=tuple(dataset.std),
+            feature_dim=common_feature_dim(self.exchange, client_models),
         )
         self.state = RunState()
         self._store_ready = False
@@ -426,3 +427,9 @@ class ServerRuntime:
         return row
 
 
+def common_feature_dim(exchange: Any, client_models: dict[str, torch.nn.Module]) -> int:
+    """The one ``feature_dim`` of the client models where the method adds features across clients
+    (``Exchange.common_feature``, checked by check_client_models), else 0."""
+    if not exchange.common_feature:
+        return 0
+    return int(next(iter(client_models.values())).feature_dim)
