@@ -35,8 +35,7 @@ from ..class_losses import class_table_distillation, mean_over_holders
 from ..protocol import ClassRows, Exchange, metric_items
 from ..registry import ALGORITHMS
 from .base import Algorithm, AlgorithmParams, ClientContext, Message, RoundInfo, ServerContext
-from .hetero import HTFLLIB_DEFAULTS, ClassAccumulator, keep_own_model, load_own_model
-from .local import local_sgd
+from .hetero import HTFLLIB_DEFAULTS, ClassAccumulator, load_own_model, received_table, train_own_model
 
 # Server-state keys: the round's teacher table (held classes' ids and rows), and with exclude_self every upload.
 TEACHER_CLASSES, TEACHER_ROWS, UPLOADS = "teacher_classes", "teacher_rows", "uploads"
@@ -111,11 +110,9 @@ class FD(Algorithm):
         p = self.params
         num_classes = client.data.num_classes
         load_own_model(client)
-        received = ClassRows.read(msg)
         # λ = 0 or no teacher yet: CE alone, the same steps as local_only (card invariant 6).
-        table = present = None
-        if received is not None and len(received) and p.lam != 0:
-            table, present = received.dense(num_classes, client.device)
+        table, present = received_table(msg, num_classes, client.device, use=p.lam != 0)
+        if table is not None and present is not None:
             if p.teacher == "softmax":  # the target is a distribution again; rows without a teacher stay zero
                 table = torch.where(present[:, None], table.softmax(1), table)
         recorded = ClassAccumulator(num_classes)
@@ -128,15 +125,6 @@ class FD(Algorithm):
                 return z.new_zeros(())
             return p.lam * class_table_distillation(z, y, table, present)
 
-        result = local_sgd(
-            client,
-            lr=info.lr,
-            epochs=self.local.epochs,
-            batch_size=self.local.batch_size,
-            momentum=self.local.momentum,
-            weight_decay=self.local.weight_decay,
-            extra_loss=distillation,
-        )
-        keep_own_model(client)
+        result = train_own_model(client, info.lr, self.local, extra_loss=distillation)
         upload = recorded.upload()
         return Message({**(upload.items() if upload is not None else {}), **metric_items(result.mean_loss, client.num_samples)})

@@ -35,8 +35,14 @@ from ..models.flat import set_flat
 from ..protocol import ClassRows, Exchange, metric_items
 from ..registry import ALGORITHMS
 from .base import Algorithm, AlgorithmParams, ClientContext, Message, RoundInfo, ServerContext
-from .hetero import HTFLLIB_DEFAULTS, eval_class_means, keep_own_model, load_own_model, sgd_on_rows, stacked_uploads
-from .local import local_sgd
+from .hetero import (
+    HTFLLIB_DEFAULTS,
+    eval_class_means,
+    load_own_model,
+    sgd_on_rows,
+    stacked_uploads,
+    train_own_model,
+)
 from .server_modules import PersistentModule
 
 # Server-state key of the global header's flat vector (weight then bias); the broadcast key of the same vector.
@@ -107,15 +113,8 @@ class FedGH(Algorithm):
     def local_update(self, client: ClientContext, info: RoundInfo, msg: Message) -> Message:
         load_own_model(client)
         set_flat(client.model.classifier, msg[HEADER_KEY])  # (GH1): the global header replaces the client's head
-        result = local_sgd(  # (GH2): plain CE over every parameter, the head included
-            client,
-            lr=info.lr,
-            epochs=self.local.epochs,
-            batch_size=self.local.batch_size,
-            momentum=self.local.momentum,
-            weight_decay=self.local.weight_decay,
-        )
-        keep_own_model(client)
+        # (GH2): plain CE over every parameter, the head included
+        result = train_own_model(client, info.lr, self.local)
         upload = eval_class_means(client)  # (GH3): eval-mode class means of the trained model
         return Message({**(upload.items() if upload is not None else {}), **metric_items(result.mean_loss, client.num_samples)})
 

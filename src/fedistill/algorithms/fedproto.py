@@ -36,8 +36,15 @@ from ..class_losses import mean_over_holders, prototype_regulariser
 from ..protocol import ClassRows, Exchange, metric_items
 from ..registry import ALGORITHMS
 from .base import Algorithm, AlgorithmParams, ClientContext, Message, RoundInfo, ServerContext
-from .hetero import HTFLLIB_DEFAULTS, ClassAccumulator, NearestPrototype, eval_class_means, keep_own_model, load_own_model
-from .local import local_sgd
+from .hetero import (
+    HTFLLIB_DEFAULTS,
+    ClassAccumulator,
+    NearestPrototypeInference,
+    eval_class_means,
+    load_own_model,
+    received_table,
+    train_own_model,
+)
 
 # Server-state keys: the global prototypes of the last round (held classes' ids and rows).
 PROTO_CLASSES, PROTO_ROWS = "prototype_classes", "prototype_rows"
@@ -61,7 +68,7 @@ class FedProtoParams(AlgorithmParams):
 
 
 @ALGORITHMS.register("fedproto")
-class FedProto(Algorithm):
+class FedProto(NearestPrototypeInference, Algorithm):
     """FedProto: clients upload class prototypes, the server averages them, clients pull their features towards them."""
 
     name = "fedproto"
@@ -99,11 +106,8 @@ class FedProto(Algorithm):
         p = self.params
         num_classes = client.data.num_classes
         load_own_model(client)
-        received = ClassRows.read(msg)
         # λ = 0 or no prototypes yet: CE alone, the same steps as local_only (card invariant 6).
-        prototypes = present = None
-        if received is not None and len(received) and p.lam != 0:
-            prototypes, present = received.dense(num_classes, client.device)
+        prototypes, present = received_table(msg, num_classes, client.device, use=p.lam != 0)
         recorded = ClassAccumulator(num_classes) if p.proto_timing == "training" else None
 
         def regulariser(model: Any, x: torch.Tensor, y: torch.Tensor, logits: torch.Tensor, features: Any) -> torch.Tensor:
@@ -114,27 +118,8 @@ class FedProto(Algorithm):
                 return r.new_zeros(())
             return p.lam * prototype_regulariser(r, y, prototypes, present)
 
-        result = local_sgd(
-            client,
-            lr=info.lr,
-            epochs=self.local.epochs,
-            batch_size=self.local.batch_size,
-            momentum=self.local.momentum,
-            weight_decay=self.local.weight_decay,
-            extra_loss=regulariser,
-            with_features=True,
-        )
-        keep_own_model(client)
+        result = train_own_model(client, info.lr, self.local, extra_loss=regulariser, with_features=True)
         upload = recorded.upload() if recorded is not None else eval_class_means(client)
         return Message({**(upload.items() if upload is not None else {}), **metric_items(result.mean_loss, client.num_samples)})
 
     # -- personalised evaluation: the trained model with the new global prototypes ----------------------------
-    def assemble_personal_model(self, client: ClientContext, msg: Message) -> None:
-        load_own_model(client)
-        self._evaluated = (client.cid, ClassRows.read(msg))  # the prototypes personal_predictor scores with
-
-    def personal_predictor(self, client: ClientContext) -> torch.nn.Module:
-        cid, prototypes = getattr(self, "_evaluated", (None, None))
-        if self.params.inference == "head" or cid != client.cid or prototypes is None or not len(prototypes):
-            return client.model  # the head (before any global prototype exists, card P5)
-        return NearestPrototype(client.model, *prototypes.dense(client.data.num_classes, client.device))

@@ -45,14 +45,14 @@ from ..registry import ALGORITHMS
 from .base import Algorithm, AlgorithmParams, ClientContext, Message, RoundInfo, ServerContext
 from .hetero import (
     HTFLLIB_DEFAULTS,
-    NearestPrototype,
+    NearestPrototypeInference,
     eval_class_means,
-    keep_own_model,
     load_own_model,
+    received_table,
     sgd_on_rows,
     stacked_uploads,
+    train_own_model,
 )
-from .local import local_sgd
 from .server_modules import PersistentModule
 
 # Server-state keys: the generator's flat weights, and whether it has been trained (P̂ is sent from then on).
@@ -97,7 +97,7 @@ class FedTGPParams(AlgorithmParams):
 
 
 @ALGORITHMS.register("fedtgp")
-class FedTGP(Algorithm):
+class FedTGP(NearestPrototypeInference, Algorithm):
     """FedTGP: the server learns one prototype per class with an adaptive-margin contrastive loss on the clients'."""
 
     name = "fedtgp"
@@ -162,10 +162,7 @@ class FedTGP(Algorithm):
         p = self.params
         num_classes = client.data.num_classes
         load_own_model(client)
-        received = ClassRows.read(msg)
-        prototypes = present = None
-        if received is not None and len(received) and p.lam != 0:
-            prototypes, present = received.dense(num_classes, client.device)
+        prototypes, present = received_table(msg, num_classes, client.device, use=p.lam != 0)
         # (T2), default: the prototypes of the model passed into the round (A3), before any step
         upload = eval_class_means(client) if p.proto_timing == "round_start" else None
         term = prototype_regulariser if p.client_distance == "mse" else prototype_distance_regulariser
@@ -176,31 +173,14 @@ class FedTGP(Algorithm):
             def regulariser(model: Any, x: torch.Tensor, y: torch.Tensor, logits: torch.Tensor, features: Any) -> torch.Tensor:
                 return p.lam * term(features.float(), y, prototypes, present)  # (T1)
 
-        result = local_sgd(
-            client,
-            lr=info.lr,
-            epochs=self.local.epochs,
-            batch_size=self.local.batch_size,
-            momentum=self.local.momentum,
-            weight_decay=self.local.weight_decay,
-            extra_loss=regulariser,
-            with_features=regulariser is not None,
+        result = train_own_model(
+            client, info.lr, self.local, extra_loss=regulariser, with_features=regulariser is not None
         )
-        keep_own_model(client)
         if p.proto_timing == "after_training":
             upload = eval_class_means(client)
         return Message({**(upload.items() if upload is not None else {}), **metric_items(result.mean_loss, client.num_samples)})
 
     # -- personalised evaluation: the trained model with the new global prototypes ----------------------------
-    def assemble_personal_model(self, client: ClientContext, msg: Message) -> None:
-        load_own_model(client)
-        self._evaluated = (client.cid, ClassRows.read(msg))  # the prototypes personal_predictor scores with
-
-    def personal_predictor(self, client: ClientContext) -> torch.nn.Module:
-        cid, prototypes = getattr(self, "_evaluated", (None, None))
-        if self.params.inference == "head" or cid != client.cid or prototypes is None or not len(prototypes):
-            return client.model  # the head (before any global prototype exists)
-        return NearestPrototype(client.model, *prototypes.dense(client.data.num_classes, client.device))
 
     def step_sizes(self) -> dict[str, float]:
         return {"algorithm.server_lr": self.params.server_lr} if self.params.server_lr is not None else {}

@@ -17,7 +17,7 @@ from torch import nn
 from ..class_losses import class_sums, nearest_prototype_scores
 from ..models.flat import get_flat, set_flat
 from ..protocol import ClassRows, ClientContext
-from .local import autocast_context
+from .local import autocast_context, local_sgd
 
 # HtFLlib's pre-tuned client settings (system/total.sh; spec/experiments-hetero.md §4): plain SGD at 0.01 (no
 # momentum, no weight decay, no decay of the rate), batches of 10, one local epoch; and per-client test splits,
@@ -41,6 +41,46 @@ def load_own_model(client: ClientContext) -> None:
 
 def keep_own_model(client: ClientContext) -> None:
     client.state[OWN_MODEL] = get_flat(client.model)
+
+
+def train_own_model(client: ClientContext, lr: float, local: Any, **options: Any) -> Any:
+    """The run's local SGD (``local``: epochs, batch size, momentum, weight decay) at ``lr`` on the client's own
+    model, already loaded (:func:`load_own_model`), which is then kept; ``options`` go to ``local_sgd``
+    (``extra_loss``, ``with_features``). Returns ``local_sgd``'s result."""
+    result = local_sgd(
+        client, lr=lr, epochs=local.epochs, batch_size=local.batch_size, momentum=local.momentum,
+        weight_decay=local.weight_decay, **options,
+    )  # fmt: skip
+    keep_own_model(client)
+    return result
+
+
+def received_table(msg: Any, num_classes: int, device: torch.device, use: bool = True) -> tuple[Any, Any]:
+    """The per-class rows the server sent (a teacher table, global prototypes) as a dense ``(C, d)`` table and its
+    ``(C,)`` mask of classes present, or ``(None, None)`` when nothing came yet or ``use`` is false (λ = 0): then
+    the client trains on CE alone, the same steps as ``local_only``."""
+    received = ClassRows.read(msg)
+    if not use or received is None or not len(received):
+        return None, None
+    return received.dense(num_classes, device)
+
+
+class NearestPrototypeInference:
+    """Personal evaluation by the nearest global prototype (FedProto P5, FedTGP): the evaluation message's
+    prototypes are kept by :meth:`assemble_personal_model` and scored by :meth:`personal_predictor`; with
+    ``params.inference: head``, or before any prototype exists, the client's own head."""
+
+    params: Any
+
+    def assemble_personal_model(self, client: ClientContext, msg: Any) -> None:
+        load_own_model(client)
+        self._evaluated = (client.cid, ClassRows.read(msg))  # the prototypes personal_predictor scores with
+
+    def personal_predictor(self, client: ClientContext) -> nn.Module:
+        cid, prototypes = getattr(self, "_evaluated", (None, None))
+        if self.params.inference == "head" or cid != client.cid or prototypes is None or not len(prototypes):
+            return client.model
+        return NearestPrototype(client.model, *prototypes.dense(client.data.num_classes, client.device))
 
 
 class ClassAccumulator:

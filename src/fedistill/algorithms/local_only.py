@@ -21,8 +21,7 @@ from typing import Any, ClassVar
 from ..protocol import Exchange, metric_items
 from ..registry import ALGORITHMS
 from .base import Algorithm, AlgorithmParams, ClientContext, Message, RoundInfo, ServerContext
-from .hetero import HTFLLIB_DEFAULTS, keep_own_model, load_own_model
-from .local import local_sgd
+from .hetero import HTFLLIB_DEFAULTS, load_own_model, train_own_model
 
 
 class LocalOnlyParams(AlgorithmParams):
@@ -48,15 +47,7 @@ class LocalOnly(Algorithm):
 
     def local_update(self, client: ClientContext, info: RoundInfo, msg: Message) -> Message:
         load_own_model(client)
-        result = local_sgd(
-            client,
-            lr=info.lr,
-            epochs=self.local.epochs,
-            batch_size=self.local.batch_size,
-            momentum=self.local.momentum,
-            weight_decay=self.local.weight_decay,
-        )
-        keep_own_model(client)
+        result = train_own_model(client, info.lr, self.local)
         return Message(metric_items(result.mean_loss, client.num_samples))  # 0 bytes up: a report, not traffic
 
     def aggregate(self, server: ServerContext, info: RoundInfo, replies: Mapping[int, Message]) -> dict[str, float]:
