@@ -189,10 +189,10 @@ PROFILES["default"] = {
     # and 51 from FedAvg's model), but on MNIST α = 0.05 seed 1 it throws round 3's step to chance (47 % -> 11-14 %,
     # all three forms), where the raw target kept 49 %.
     "teacher_scale": "raw",
-    # (4) Issue 61: the server distils on SGD at the paper's lr 1e-2 (momentum 0.9), not the code's Adam 1e-4. Adam's
-    # per-coordinate step is about its lr whatever the gradient, so over 1,600 steps it moves the weights the KL barely
-    # constrains too: the student's features on real images grow 3.3x (fc1 norm 8.7 -> 28.9 on MNIST α = 0.05 seed 1
-    # round 4) while its logits barely change. The next round's clients then take SGD steps that scale with those
+    # (4) Issue 61: the server distils on SGD at the paper's lr 1e-2 (momentum 0.9), not the code's Adam 1e-4. The KL
+    # reaches the features through the head (Hᵀ(s − q)); Adam's per-weight normalisation turns its steps out of the
+    # head's row space, so over 1,600 steps the student's features on real images grow 3.3x (fc1 norm 8.8 -> 28.9 on
+    # MNIST α = 0.05 seed 1 round 4, 23.0 of the change in the head's null space) while its logits barely change. The next round's clients then take SGD steps that scale with those
     # features (the head's gradient is (p - y) ⊗ φ), the one-class ones drift far, and their average falls to chance
     # (9.8 %, against 27.9 % from the undistilled aggregate). On SGD the step stops where the KL does: the same step
     # gives 64.6 % (Adam 66.2 %), features 2.2x, and the next round's average 28.9 % (spec/dafkd.md ambiguity 21).
@@ -783,8 +783,8 @@ def distil(
     p: DaFKDParams,
     precision: str,
 ) -> float:
-    """Card §4's server distillation: SGD with momentum (default, ambiguity 21) or Adam (code) at distill_lr from ŵ, E_d epochs over the N inputs in batches, the lr
-    cut by ``plateau_factor`` after ``plateau_patience`` epochs without a lower mean loss. Student in train
+    """Card §4's server distillation: SGD with momentum (default, ambiguity 21) or Adam (code) at distill_lr from ŵ,
+    E_d epochs over the N inputs in batches, the lr cut by ``plateau_factor`` after ``plateau_patience`` epochs without a lower mean loss. Student in train
     mode (card ambiguity 8). The batch order is fixed for the round (the card: "fixed order"). Returns the
     last epoch's mean loss."""
     device = next(student.parameters()).device
