@@ -69,6 +69,9 @@ class FedAvgNet(ClassifierModel):
     ``extract`` returns the fc1 output after its ReLU (512-d by default), the feature MOON uses.
     """
 
+    zoo_name = "cnn"  # the name its errors give
+    padding = 2  # of both convolutions (HtFLlib's FedAvgCNN, the group member below: 0)
+
     def __init__(
         self,
         input_shape: Sequence[int],
@@ -77,14 +80,17 @@ class FedAvgNet(ClassifierModel):
         hidden: int = 512,
     ) -> None:
         super().__init__(input_shape, num_classes)
-        c1, c2 = check_positive_ints("cnn", "channels", channels, length=2)
-        (hidden,) = check_positive_ints("cnn", "hidden", hidden, length=1)
+        name, padding = self.zoo_name, self.padding
+        c1, c2 = check_positive_ints(name, "channels", channels, length=2)
+        (hidden,) = check_positive_ints(name, "hidden", hidden, length=1)
         in_ch, h, w = self.input_shape
-        # Two 2x2 poolings with floor rounding; anything below 4x4 would pool down to nothing.
-        check_min_size("cnn", self.input_shape, 4)
-        self.conv1 = nn.Conv2d(in_ch, c1, kernel_size=5, padding=2)
-        self.conv2 = nn.Conv2d(c1, c2, kernel_size=5, padding=2)
-        self.flat_dim = c2 * (h // 4) * (w // 4)
+        # Two 5x5 convolutions, each followed by a 2x2 pooling with floor rounding; the smallest side that leaves
+        # one pixel: 4 with padding 2 (ours), 16 unpadded (HtFLlib's FedAvgCNN: 16 -> 12 -> 6 -> 2 -> 1).
+        side = lambda s: ((s + 2 * padding - 4) // 2 + 2 * padding - 4) // 2  # noqa: E731
+        check_min_size(name, self.input_shape, 16 - 6 * padding)
+        self.conv1 = nn.Conv2d(in_ch, c1, kernel_size=5, padding=padding)
+        self.conv2 = nn.Conv2d(c1, c2, kernel_size=5, padding=padding)
+        self.flat_dim = c2 * side(h) * side(w)
         self.fc1 = nn.Linear(self.flat_dim, hidden)
         self.feature_dim = hidden
         self.classifier = nn.Linear(hidden, self.num_classes)

@@ -52,7 +52,7 @@ from torch import nn
 from ..errors import ConfigError
 from ..registry import MODEL_GROUPS, MODELS
 from .base import ClassifierModel, check_min_size, check_positive_ints
-from .cnn import max_pool_2x2
+from .cnn import FedAvgNet
 from .mlp import MLP
 from .mobilenet import MobileNetV2
 from .pooling import global_average_pool
@@ -89,27 +89,13 @@ class PooledToDim(ClassifierModel):
         return pool_to_dim(self.dropout(self.body.extract(x)), self.feature_dim)
 
 
-class FedAvgCNNBody(ClassifierModel):
-    """HtFLlib's FedAvgCNN up to its ``fc1``: two unpadded 5x5 convolutions (32, 64 channels), each followed by
-    ReLU and 2x2 max-pooling, then ``fc1`` (512 units) + ReLU. Its ``classifier`` is replaced by the group's head."""
+class FedAvgCNN(FedAvgNet):
+    """HtFLlib's FedAvgCNN: our ``cnn`` (two 5x5 convolutions of 32 and 64 channels, 2x2 max-pooling, a 512-wide
+    ``fc1``) with its convolutions unpadded, so its flatten size follows the input as HtFLlib's ``dim`` does (1024
+    for 28x28, 1600 for 32x32)."""
 
-    def __init__(self, input_shape: Sequence[int], num_classes: int, hidden: int = 512) -> None:
-        super().__init__(input_shape, num_classes)
-        in_ch, h, w = self.input_shape
-        check_min_size("ht_fedavgcnn", self.input_shape, 16)  # 16 -> 12 -> 6 -> 2 -> 1
-        self.conv1 = nn.Conv2d(in_ch, 32, kernel_size=5)
-        self.conv2 = nn.Conv2d(32, 64, kernel_size=5)
-        side = lambda s: ((s - 4) // 2 - 4) // 2  # noqa: E731
-        self.flat_dim = 64 * side(h) * side(w)  # HtFLlib's dim: 1024 for 28x28, 1600 for 32x32
-        self.fc1 = nn.Linear(self.flat_dim, hidden)
-        self.feature_dim = hidden
-        self.classifier = nn.Linear(hidden, self.num_classes)
-
-    def extract(self, x: torch.Tensor) -> torch.Tensor:
-        # ReLU after the pooling: bit-identical to conv -> ReLU -> pool (see cnn.FedAvgNet.extract).
-        x = F.relu(max_pool_2x2(self.conv1(x)))
-        x = F.relu(max_pool_2x2(self.conv2(x)))
-        return F.relu(self.fc1(torch.flatten(x, 1)))
+    zoo_name = "ht_fedavgcnn"
+    padding = 0
 
 
 class ConvNet4(ClassifierModel):
@@ -155,7 +141,7 @@ def _feature_dim(name: str, feature_dim: object) -> int:
 def ht_fedavgcnn(input_shape: Sequence[int], num_classes: int, feature_dim: int = FEATURE_DIM) -> PooledToDim:
     """HtFLlib's FedAvgCNN: 2x (unpadded 5x5 conv + ReLU + 2x2 max-pool), fc1 512 + ReLU, pooled to feature_dim."""
     dim = _feature_dim("ht_fedavgcnn", feature_dim)
-    return PooledToDim(FedAvgCNNBody(input_shape, num_classes), dim)
+    return PooledToDim(FedAvgCNN(input_shape, num_classes), dim)
 
 
 def _ht_resnet(
