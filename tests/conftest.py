@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -50,6 +51,31 @@ def small_config(**overrides):
 def flower_config(**overrides):
     """small_config with 3 clients (one SuperNode each) and one thread per process (the Flower tests)."""
     return small_config(**{"partition.num_clients": 3, "run.threads": 1, **overrides})
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "draw_figures: rasterise the figures a run writes (see _figures_built_not_drawn)")
+
+
+@pytest.fixture(autouse=True)
+def _figures_built_not_drawn(request, monkeypatch):
+    """Every figure a test's run writes is built (its data, axes and colour scales: where a history of a method
+    would break it) but not drawn: drawing (text layout, constrained layout, PNG encoding) costs about a second a
+    run, half of a one-round run here. The drawing itself is what the tests marked ``draw_figures``
+    (tests/test_figures.py, test_diagnostics.py) check, on the same functions. The file is still written, so a
+    run directory holds the same names; a run in a subprocess draws as usual."""
+    if request.node.get_closest_marker("draw_figures"):
+        yield
+        return
+    import fedistill.report.plots as plots
+
+    def build_only(fig, path):
+        plots.figure_format(path)  # an unwritable format is still refused
+        assert fig.axes, "a figure without axes"
+        Path(path).write_bytes(b"figure built, not drawn (tests/conftest.py)")
+
+    monkeypatch.setattr(plots, "save_figure", build_only)
+    yield
 
 
 @pytest.fixture

@@ -62,6 +62,7 @@ def test_resume_continues_to_the_numbers_of_an_uninterrupted_run(tmp_path):
     assert [r["train_loss"] for r in a] == [r["train_loss"] for r in b]
 
 
+@pytest.mark.draw_figures  # the curves' file is checked for its size
 def test_compare_prints_a_table_and_saves_curves(tmp_path, capsys):
     a = _run(tmp_path, name="a")
     b = _run(tmp_path, "--algorithm", "fedavgm", name="b")

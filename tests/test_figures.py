@@ -29,6 +29,8 @@ from fedistill.report.plots import (
 
 FAST = ["--clients", "4", "--clients-per-round", "2", "--epochs", "1", "--no-progress", "--set", "run.threads=1"]
 
+pytestmark = pytest.mark.draw_figures  # these tests are of the drawing itself (tests/conftest.py)
+
 
 def _drawn(fig):
     FigureCanvasAgg(fig).draw()

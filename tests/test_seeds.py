@@ -156,6 +156,7 @@ def test_a_diverged_seed_is_recorded_the_others_run_and_the_exit_code_is_1(tmp_p
     assert "seed(s) 1 of group" in capsys.readouterr().err
 
 
+@pytest.mark.draw_figures  # the curves' file is checked for its size
 def test_compare_takes_a_group_beside_a_run(group, tmp_path, capsys):
     png = tmp_path / "cmp.png"
     assert main(["compare", str(group), str(group / "seed1"), "--out", str(png), "--target", "100"]) == 0

@@ -227,14 +227,15 @@ class LocalFederation:
         ``status-details``), ``running`` ...: ``flwr run`` exits 0 either way, so this is how to tell."""
         return str(self.run_info(run_id)["status"])
 
-    def wait(self, run_id: int, timeout: float = 300.0) -> dict[str, Any]:
-        """Wait until the run has finished (completed, failed or stopped); its ``flwr ls`` entry."""
+    def wait(self, run_id: int, timeout: float = 300.0, interval: float = 2.0) -> dict[str, Any]:
+        """Wait until the run has finished (completed, failed or stopped); its ``flwr ls`` entry. Asked every
+        ``interval`` seconds: each ``flwr ls`` is a process that costs about 1.5 s of a core."""
         deadline = time.monotonic() + timeout
         while True:
             info = self.run_info(run_id)
             if str(info.get("status", "")).startswith("finished") or time.monotonic() > deadline:
                 return info
-            time.sleep(0.5)
+            time.sleep(interval)
 
 
 def descendants(pid: int) -> list[int]:
