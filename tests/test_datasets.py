@@ -609,10 +609,29 @@ def test_digits_offline_deterministic_stratified(tmp_path):
     # pixel scaling: v in 0..16 -> round(v * 255 / 16)
     from sklearn.datasets import load_digits as sk_digits
 
-    raw = sk_digits().images
+    bunch = sk_digits()
+    raw = bunch.images
     values = set(np.unique(ds.train_x.numpy()).tolist())
     assert values <= {int(round(v * 255 / 16)) for v in range(17)}
     assert ds.train_x.shape[0] + ds.test_x.shape[0] == raw.shape[0]
+    # read from scikit-learn's file without importing it: the same images and labels as its loader, in its order
+    images = torch.zeros(raw.shape[0], 1, 8, 8, dtype=torch.uint8)
+    labels = torch.zeros(raw.shape[0], dtype=torch.int64)
+    from fedistill.data.sources.digits import DIGITS_SEED, DIGITS_TEST_FRACTION, _stratified_split
+
+    train_idx, test_idx = _stratified_split(bunch.target, DIGITS_TEST_FRACTION, DIGITS_SEED)
+    images[train_idx], images[test_idx] = ds.train_x, ds.test_x
+    labels[train_idx], labels[test_idx] = ds.train_y, ds.test_y
+    assert torch.equal(images[:, 0], torch.from_numpy(np.rint(raw * 255 / 16).astype(np.uint8)))
+    assert torch.equal(labels, torch.from_numpy(bunch.target).long())
+
+
+def test_digits_without_scikit_learns_file_is_one_line(monkeypatch):
+    import importlib.util
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
+    with pytest.raises(DatasetError, match=r"digits: scikit-learn's digits.csv.gz was not found .*pip install --force-reinstall scikit-learn"):
+        load_dataset("digits")
 
 
 # --- dispatch -----------------------------------------------------------------------------------------
