@@ -91,3 +91,18 @@ def test_a_users_own_settings_win_over_the_methods_defaults(digits):
     sim = Simulation(cfg, digits)
     sim.run()
     assert set(sim.server_runtime.client_store.load(0)) == {"model"}
+
+
+def test_the_summary_counts_each_client_architectures_parameters_where_the_server_keeps_no_model(digits):
+    """summary.json's model_parameters is the server model's (0 here: Local keeps none), so the clients' own sizes go
+    beside it, by architecture: logistic regression on 8x8 digits is 64·10 + 10 = 650 weights."""
+    from fedistill.runner import model_parameters
+
+    cfg = hetero_config("local_only", clients=["digits_cnn", "logistic", "digits_cnn"])
+    sim = Simulation(cfg, digits)
+    sizes = model_parameters(cfg, digits, sim.server.model, 3)
+    cnn = build_model_for(cfg, digits, (INIT,), "digits_cnn")
+    by_hand = sum(p.numel() for p in cnn.parameters()) + sum(b.numel() for b in cnn.buffers() if b.is_floating_point())
+    assert sizes == {"model_parameters": 0, "client_model_parameters": {"digits_cnn": by_hand, "logistic": 650}}
+    same = hetero_config("fedavg")  # one architecture everywhere, kept by the server: no second count
+    assert model_parameters(same, digits, Simulation(same, digits).server.model, 3).keys() == {"model_parameters"}

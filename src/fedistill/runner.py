@@ -77,6 +77,23 @@ def load_dataset_for(cfg: Config, data_dir: str | None = None, download: bool | 
 RESUME_NUMERIC_HINT = "pass --allow-numeric-change to continue anyway (the change is recorded in resumes.jsonl)"
 
 
+def model_parameters(cfg: Config, dataset: Any, server_model: Any, num_clients: int) -> dict[str, Any]:
+    """summary.json's model sizes: ``model_parameters``, the server model's count (0 for a method that keeps
+    none: Local, FD, FedProto, FedGH, FedTGP), and where the clients hold other architectures than the server
+    (``model.clients``, ``model.group``, ``model.client_mix``) or the server holds none,
+    ``client_model_parameters``: each client architecture's count, by name."""
+    from .engine.architectures import client_architectures
+    from .engine.seeding import INIT
+    from .models.flat import num_flat
+    from .simulation import build_model_for
+
+    sizes: dict[str, Any] = {"model_parameters": num_flat(server_model)}
+    names = sorted(set(client_architectures(cfg, num_clients)))
+    if names != [cfg.model_name()] or sizes["model_parameters"] == 0:
+        sizes["client_model_parameters"] = {name: num_flat(build_model_for(cfg, dataset, (INIT,), name)) for name in names}
+    return sizes
+
+
 def run_experiment(
     cfg: Config,
     run_dir: RunDirectory | None = None,
@@ -192,9 +209,7 @@ def run_experiment(
     summary = summarise(history, cfg.eval.target_accuracy, cfg.accuracy_metric())
     summary["status"] = "finished"
     summary["run_dir"] = str(run_dir.path)
-    from .models.flat import num_flat
-
-    summary["model_parameters"] = num_flat(sim.server.model)
+    summary.update(model_parameters(cfg, sim.dataset, sim.server.model, sim.federation.num_clients))
     run_dir.write_csv(history)
     run_dir.write_summary(summary)
     with open(run_dir.path / "run.log", "a", encoding="utf-8") as f:

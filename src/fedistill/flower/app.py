@@ -263,12 +263,11 @@ def run_server(grid: Grid, cfg: Config, settings: FlowerSettings) -> dict[str, A
     from ..engine.run_setup import apply_process_settings, round_info
     from ..engine.summary import summarise
     from ..simulation import ServerRuntime  # the engine's, with the configured method plugged in
-    from ..models.flat import num_flat
     from ..report.plots import accuracy_label, config_title, plot_accuracy, plot_class_distributions, plot_partition, plot_personal_accuracy
     from ..report.rundir import RunDirectory
     from ..report.environment import environment_info
     from ..report.runlog import ROUND_LINE_WIDTH, round_line
-    from ..runner import load_dataset_for
+    from ..runner import load_dataset_for, model_parameters
 
     cfg = with_client_threads(cfg)
     if settings.resume:
@@ -336,7 +335,7 @@ def run_server(grid: Grid, cfg: Config, settings: FlowerSettings) -> dict[str, A
     def finish(status: str, error: str | None = None) -> dict[str, Any]:
         history = runtime.state.history
         summary = summarise(history, cfg.eval.target_accuracy, cfg.accuracy_metric())
-        summary.update(status=status, run_dir=str(run_dir.path), model_parameters=num_flat(runtime.server.model))
+        summary.update(status=status, run_dir=str(run_dir.path), **model_parameters(cfg, dataset, runtime.server.model, num_clients))
         if error:
             summary["error"] = error
         run_dir.write_csv(history)
