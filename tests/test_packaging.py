@@ -51,10 +51,13 @@ def _pyproject() -> dict:
 
 
 def _imported_modules(tree: ast.AST) -> list[str]:
-    """Every absolute import of a module, at any depth (lazy imports inside functions included)."""
+    """Every absolute import of a module, at any depth (lazy imports inside functions included), and every package
+    located with ``find_spec("name")`` (a package whose data files are read without importing it: digits)."""
     names = []
     for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
+        if isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", None)) == "find_spec":
+            names.extend(a.value for a in node.args[:1] if isinstance(a, ast.Constant) and isinstance(a.value, str))
+        elif isinstance(node, ast.Import):
             names.extend(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             names.append(node.module)
