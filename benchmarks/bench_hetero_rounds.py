@@ -7,7 +7,8 @@ fp32. Per method, in a fresh process: round 1's floating-point operations are co
 bench cell's first seed), then ``--rounds`` rounds are timed; the table gives the mean seconds of rounds 2..R
 (round 1 builds the workers and the caches), the server's share, GFLOP/s and the share of this machine's
 one-thread bf16 matmul peak (measured here first: the convention of the leaderboards' "% of peak"). Run on an idle
-machine:
+machine (about 35 min for the five methods on the
+Intel Xeon host; no timeout shorter than that):
 
     python benchmarks/bench_hetero_rounds.py --data-dir ../shared/data [--methods fd,fedproto] [--group mixed8]
 
@@ -92,15 +93,19 @@ def main() -> None:
     from fedistill.studies.bench import measure_bf16_peak
 
     peak = measure_bf16_peak(1, seconds=2.0)
+    out = Path(__file__).parent / "out"
+    out.mkdir(exist_ok=True)
+    path = out / f"hetero-rounds-{time.strftime('%Y%m%d-%H%M%S')}.json"
     results = {}
-    for method in args.methods.split(","):
+    for method in args.methods.split(","):  # a method takes 5-8 min here: each result is written as it comes
         tree = config_tree(method, args.group, args.data_dir, args.rounds)
         done = subprocess.run([sys.executable, "-c", CHILD, json.dumps(tree), str(args.rounds), "0"], capture_output=True, text=True)
         lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
         if done.returncode != 0 or not lines:
             sys.exit(f"{method}: the child failed\n{done.stderr[-3000:]}")
         results[method] = json.loads(lines[-1][len("RESULT "):])
-        print(f"{method}: done", file=sys.stderr)
+        path.write_text(json.dumps({"peak_gflops_1_thread": peak, "group": args.group, "results": results}, indent=1))
+        print(f"{method}: done ({path})", file=sys.stderr)
 
     print(f"one-thread bf16 matmul peak here: {peak:.0f} GFLOP/s; MNIST, 20 clients of {args.group}, alpha 0.1, all in every round\n")
     print("| method | s/round (rounds 2-%d) | of it server | GFLOP/round | GFLOP/s | %% of peak | kB up/round | personal acc. after round %d |" % (args.rounds, args.rounds))
@@ -115,10 +120,6 @@ def main() -> None:
             f"| {method} | {seconds:.2f} | {server:.3f} | {gflop:.1f} | {gflop / seconds:.1f} | {100 * gflop / seconds / peak:.1f} | "
             f"{(last['bytes_up'] or 0) / 1e3:.1f} | {last['personal_accuracy']:.2f} |"
         )
-    out = Path(__file__).parent / "out"
-    out.mkdir(exist_ok=True)
-    path = out / f"hetero-rounds-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    path.write_text(json.dumps({"peak_gflops_1_thread": peak, "group": args.group, "results": results}, indent=1))
     print(f"\nwritten {path}")
 
 
