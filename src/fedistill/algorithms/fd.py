@@ -24,7 +24,6 @@ per-(seed, round, client) stream only (batch order); the server draws nothing.
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Mapping
 from typing import Any, ClassVar, Literal
 
@@ -35,7 +34,7 @@ from ..class_losses import class_table_distillation, mean_over_holders
 from ..protocol import ClassRows, Exchange, metric_items
 from ..registry import ALGORITHMS
 from .base import Algorithm, AlgorithmParams, ClientContext, Message, RoundInfo, ServerContext
-from .hetero import HTFLLIB_DEFAULTS, ClassAccumulator, load_own_model, received_table, train_own_model
+from .hetero import ClassAccumulator, HtFLlibClientDefaults, load_own_model, received_table, train_own_model
 
 # Server-state keys: the round's teacher table (held classes' ids and rows), and with exclude_self every upload.
 TEACHER_CLASSES, TEACHER_ROWS, UPLOADS = "teacher_classes", "teacher_rows", "uploads"
@@ -58,7 +57,7 @@ class FDParams(AlgorithmParams):
 
 
 @ALGORITHMS.register("fd")
-class FD(Algorithm):
+class FD(HtFLlibClientDefaults, Algorithm):
     """FD: clients upload per-class mean logits, the server averages them, clients distil towards the average (HtFLlib's FD)."""
 
     name = "fd"
@@ -66,10 +65,6 @@ class FD(Algorithm):
     exchange: ClassVar[Exchange] = Exchange("class statistics", "per-class mean logits of the classes each holds")
     personal_model: ClassVar[str] = "local"  # the client's own model (its head) after its update
 
-    @classmethod
-    def config_defaults(cls, tree: dict[str, Any]) -> dict[str, Any]:
-        """HtFLlib's plain SGD (lr 0.01, batch 10, one epoch) and per-client test splits (card §6)."""
-        return copy.deepcopy(HTFLLIB_DEFAULTS)
 
     # -- server ---------------------------------------------------------------------------------------------
     def broadcast(self, server: ServerContext, info: RoundInfo, cid: int) -> Message:

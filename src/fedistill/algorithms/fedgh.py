@@ -22,7 +22,6 @@ Bytes (card §5): up |C_k|·(4d + 16) per client, down 4·(d·C + C) per selecte
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
@@ -36,7 +35,8 @@ from ..protocol import ClassRows, Exchange, metric_items
 from ..registry import ALGORITHMS
 from .base import Algorithm, AlgorithmParams, ClientContext, Message, RoundInfo, ServerContext
 from .hetero import (
-    HTFLLIB_DEFAULTS,
+    PROTOTYPE_UPLOAD,
+    HtFLlibClientDefaults,
     eval_class_means,
     load_own_model,
     sgd_on_rows,
@@ -58,20 +58,14 @@ class FedGHParams(AlgorithmParams):
 
 
 @ALGORITHMS.register("fedgh")
-class FedGH(Algorithm):
+class FedGH(HtFLlibClientDefaults, Algorithm):
     """FedGH: the server trains a global header on the clients' class prototypes; it replaces every client's head."""
 
     name = "fedgh"
     Params = FedGHParams
-    exchange: ClassVar[Exchange] = Exchange(
-        "class statistics", "class prototypes (mean features of the classes each holds)", common_feature=True
-    )
+    exchange: ClassVar[Exchange] = PROTOTYPE_UPLOAD
     personal_model: ClassVar[str] = "assembled"  # its trained extractor with the new global header
 
-    @classmethod
-    def config_defaults(cls, tree: dict[str, Any]) -> dict[str, Any]:
-        """HtFLlib's plain SGD (lr 0.01, batch 10, one epoch) and per-client test splits (card §6)."""
-        return copy.deepcopy(HTFLLIB_DEFAULTS)
 
     def __init__(self, params: FedGHParams, local: Any) -> None:
         super().__init__(params, local)

@@ -25,7 +25,6 @@ as an uncounted metric report.
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Mapping
 from typing import Any, ClassVar, Literal
 
@@ -37,7 +36,8 @@ from ..protocol import ClassRows, Exchange, metric_items
 from ..registry import ALGORITHMS
 from .base import Algorithm, AlgorithmParams, ClientContext, Message, RoundInfo, ServerContext
 from .hetero import (
-    HTFLLIB_DEFAULTS,
+    PROTOTYPE_UPLOAD,
+    HtFLlibClientDefaults,
     ClassAccumulator,
     NearestPrototypeInference,
     eval_class_means,
@@ -68,20 +68,14 @@ class FedProtoParams(AlgorithmParams):
 
 
 @ALGORITHMS.register("fedproto")
-class FedProto(NearestPrototypeInference, Algorithm):
+class FedProto(NearestPrototypeInference, HtFLlibClientDefaults, Algorithm):
     """FedProto: clients upload class prototypes, the server averages them, clients pull their features towards them."""
 
     name = "fedproto"
     Params = FedProtoParams
-    exchange: ClassVar[Exchange] = Exchange(
-        "class statistics", "class prototypes (mean features of the classes each holds)", common_feature=True
-    )
+    exchange: ClassVar[Exchange] = PROTOTYPE_UPLOAD
     personal_model: ClassVar[str] = "assembled"  # its trained model with the new global prototypes (P5)
 
-    @classmethod
-    def config_defaults(cls, tree: dict[str, Any]) -> dict[str, Any]:
-        """HtFLlib's plain SGD (lr 0.01, batch 10, one epoch) and per-client test splits (card §6)."""
-        return copy.deepcopy(HTFLLIB_DEFAULTS)
 
     # -- server ---------------------------------------------------------------------------------------------
     def broadcast(self, server: ServerContext, info: RoundInfo, cid: int) -> Message:

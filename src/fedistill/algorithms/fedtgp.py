@@ -24,7 +24,6 @@ Bytes (card §5): up |C_k|·(4d + 16) per client, down C·(4d + 8) per selected 
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Mapping
 from typing import Any, ClassVar, Literal
 
@@ -44,7 +43,8 @@ from ..protocol import ClassRows, Exchange, metric_items
 from ..registry import ALGORITHMS
 from .base import Algorithm, AlgorithmParams, ClientContext, Message, RoundInfo, ServerContext
 from .hetero import (
-    HTFLLIB_DEFAULTS,
+    PROTOTYPE_UPLOAD,
+    HtFLlibClientDefaults,
     NearestPrototypeInference,
     eval_class_means,
     load_own_model,
@@ -97,20 +97,14 @@ class FedTGPParams(AlgorithmParams):
 
 
 @ALGORITHMS.register("fedtgp")
-class FedTGP(NearestPrototypeInference, Algorithm):
+class FedTGP(NearestPrototypeInference, HtFLlibClientDefaults, Algorithm):
     """FedTGP: the server learns one prototype per class with an adaptive-margin contrastive loss on the clients'."""
 
     name = "fedtgp"
     Params = FedTGPParams
-    exchange: ClassVar[Exchange] = Exchange(
-        "class statistics", "class prototypes (mean features of the classes each holds)", common_feature=True
-    )
+    exchange: ClassVar[Exchange] = PROTOTYPE_UPLOAD
     personal_model: ClassVar[str] = "assembled"  # its trained model with the new global prototypes
 
-    @classmethod
-    def config_defaults(cls, tree: dict[str, Any]) -> dict[str, Any]:
-        """HtFLlib's plain SGD (lr 0.01, batch 10, one epoch) and per-client test splits (card §6)."""
-        return copy.deepcopy(HTFLLIB_DEFAULTS)
 
     def __init__(self, params: FedTGPParams, local: Any) -> None:
         super().__init__(params, local)

@@ -8,6 +8,8 @@ Not a method: the methods compose these (their own files read top to bottom next
 
 from __future__ import annotations
 
+import copy
+
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -16,7 +18,7 @@ from torch import nn
 
 from ..class_losses import class_sums, nearest_prototype_scores
 from ..models.flat import get_flat, set_flat
-from ..protocol import ClassRows, ClientContext
+from ..protocol import ClassRows, ClientContext, Exchange
 from .local import autocast_context, local_sgd
 
 # HtFLlib's pre-tuned client settings (system/total.sh; spec/experiments-hetero.md §4): plain SGD at 0.01 (no
@@ -27,6 +29,18 @@ HTFLLIB_DEFAULTS: dict[str, Any] = {
     "local": {"lr": 0.01, "batch_size": 10, "epochs": 1, "momentum": 0.0, "weight_decay": 0.0, "lr_decay": 1.0},
     "partition": {"per_client_test": True},
 }
+
+class HtFLlibClientDefaults:
+    """Mixin of the methods of HtFLlib's family (put before ``Algorithm`` among the bases): their ``config_defaults``
+    are :data:`HTFLLIB_DEFAULTS`, filled where the user left a setting unset."""
+
+    @classmethod
+    def config_defaults(cls, tree: dict[str, Any]) -> dict[str, Any]:
+        return copy.deepcopy(HTFLLIB_DEFAULTS)
+
+
+# What FedProto, FedGH and FedTGP upload: the mean feature of each class a client holds, in the common dimension.
+PROTOTYPE_UPLOAD = Exchange("class statistics", "class prototypes (mean features of the classes each holds)", common_feature=True)
 
 # Client-state key of the client's own model (a flat vector: parameters and BatchNorm statistics).
 OWN_MODEL = "model"

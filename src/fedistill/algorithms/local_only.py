@@ -14,14 +14,13 @@ lr 0.01, batch 10, one epoch), filled only where the user left them unset.
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from ..protocol import Exchange, metric_items
 from ..registry import ALGORITHMS
 from .base import Algorithm, AlgorithmParams, ClientContext, Message, RoundInfo, ServerContext
-from .hetero import HTFLLIB_DEFAULTS, load_own_model, train_own_model
+from .hetero import HtFLlibClientDefaults, load_own_model, train_own_model
 
 
 class LocalOnlyParams(AlgorithmParams):
@@ -29,7 +28,7 @@ class LocalOnlyParams(AlgorithmParams):
 
 
 @ALGORITHMS.register("local_only")
-class LocalOnly(Algorithm):
+class LocalOnly(HtFLlibClientDefaults, Algorithm):
     """Local: every client trains its own model alone and nothing travels (HtFLlib's Local)."""
 
     name = "local_only"
@@ -37,10 +36,6 @@ class LocalOnly(Algorithm):
     exchange: ClassVar[Exchange] = Exchange("nothing")
     personal_model: ClassVar[str] = "local"  # θ_k after its update, on its own test split
 
-    @classmethod
-    def config_defaults(cls, tree: dict[str, Any]) -> dict[str, Any]:
-        """HtFLlib's plain SGD (lr 0.01, batch 10, one epoch) and per-client test splits (card §5)."""
-        return copy.deepcopy(HTFLLIB_DEFAULTS)
 
     def broadcast(self, server: ServerContext, info: RoundInfo, cid: int) -> Message:
         return Message()  # 0 bytes down (card §4)
