@@ -384,6 +384,16 @@ def test_the_bf16_peak_is_the_best_any_bench_of_the_directory_measured(tmp_path)
     assert best_bf16_peak(tmp_path, 205.0) == 205.0
 
 
+# Work cut for the flop-counter test only: what it checks (the counter watches, never moves a number) does not depend
+# on how many steps the server takes, how deep its model is or how many local epochs run.
+LIGHTER = {
+    "dafkd": {"algorithm": {"distill_samples": 64, "distill_epochs": 2}, "local": {"epochs": 1}},
+    "feddf": {"algorithm": {"distill_steps": 20, "generator_steps": 5, "student_steps": 5}},
+    "fedftg": {"algorithm": {"iterations": 2}},
+    **{name: {"model": {"server_kwargs": {"blocks_per_stage": 1}}} for name in ("fedgkt", "feddkc", "fedict")},
+}
+
+
 def _one_round_rows(name: str, digits, count: bool) -> tuple[list[dict], "torch.Tensor", list[int]]:
     from fedistill.config import build_config
     import torch
@@ -392,8 +402,10 @@ def _one_round_rows(name: str, digits, count: bool) -> tuple[list[dict], "torch.
     from fedistill.simulation import Simulation
 
     # 12 clients of about 120 digits each, 3 of them in the round: every method's code path at half the samples
-    cfg = build_config({"algorithm": {"name": name}, "rounds": 1, "clients_per_round": 3, "partition": {"num_clients": 12},
-                        "run": {"progress": False, "threads": 1, "workers": 1}})  # fmt: skip
+    # (the heavy methods with the lighter settings above)
+    lighter = LIGHTER.get(name, {})
+    cfg = build_config({**lighter, "algorithm": {"name": name, **lighter.get("algorithm", {})}, "rounds": 1, "clients_per_round": 3,
+                        "partition": {"num_clients": 12}, "run": {"progress": False, "threads": 1, "workers": 1}})  # fmt: skip
     simulation = Simulation(cfg, digits)
     counted: list[int] = []
     if count:

@@ -427,7 +427,7 @@ def test_dataset_resize_is_bilinear_once_at_load(digits):
     assert int(out.train_x[0, 0, 1, 1]) == round(corner)
     assert resized(tiny, None) is tiny and resized(tiny, 2) is tiny
     # A run on resized digits: 16x16 inputs, the DCGAN's 16x16 layout, the same labels.
-    cfg = small_config(**DAFKD, **QUICK, **{"dataset.resize": 16, "model.name": "resnet11", "model.kwargs": {"width": 4}}, rounds=2)
+    cfg = small_config(**DAFKD, **QUICK, **{"dataset.resize": 16, "model.name": "resnet11", "model.kwargs": {"width": 4}}, rounds=1)
     from fedistill.runner import load_dataset_for
 
     big = resized(digits, 16)

@@ -16,8 +16,9 @@ PERSONAL = {"partition.per_client_test": True, "partition.num_clients": 4, "clie
 
 
 def bn_config(algorithm="mtfl", rounds=2, **overrides):
-    """Four clients of the zoo's ResNet-8 (BatchNorm after every convolution) on digits."""
-    return small_config(rounds=rounds, algorithm=algorithm, **{"model.name": "resnet8", **PERSONAL, **overrides})
+    """Four clients of the zoo's ResNet-8 (BatchNorm after every convolution) on digits, 4 channels wide (the
+    patches' bookkeeping does not depend on the width; a quarter of the default's 16 costs a tenth of its time)."""
+    return small_config(rounds=rounds, algorithm=algorithm, **{"model.name": "resnet8", "model.kwargs": {"width": 4}, **PERSONAL, **overrides})
 
 
 def bn_affine_keys(model):
@@ -128,7 +129,7 @@ def test_mtfl_learns_and_beats_fedavgs_global_model_on_the_clients(digits):
 
 
 def test_resume_is_exact_with_the_patches_in_client_state(digits, tmp_path):
-    assert_resume_is_exact(digits, tmp_path, "mtfl", client_keys=("private_weights",), **{"model.name": "resnet8", **PERSONAL})
+    assert_resume_is_exact(digits, tmp_path, "mtfl", client_keys=("private_weights",), **{"model.name": "resnet8", "model.kwargs": {"width": 4}, **PERSONAL})
 
 
 def test_worker_processes_give_the_same_personal_accuracies(digits):
