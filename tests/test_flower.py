@@ -1,6 +1,6 @@
 """The Flower adapter: records, the server loop against an in-process fake Grid, and a real local federation.
 
-The real-federation tests start a SuperLink and three SuperNodes as subprocesses on 127.0.0.1 (free ports,
+The real-federation tests start a SuperLink and two or three SuperNodes as subprocesses on 127.0.0.1 (free ports,
 insecure mode, private FLWR_HOME) and kill their process groups at the end, whatever happens.
 """
 
@@ -422,7 +422,7 @@ def test_app_writer_and_client_thread_count():
 def federation(tmp_path):
     from fedistill.flower.local import LocalFederation
 
-    fed = LocalFederation(tmp_path / "federation", 3)
+    fed = LocalFederation(tmp_path / "federation", 2)  # two nodes: each message starts a ClientApp process
     try:
         fed.start()
         yield fed
@@ -457,7 +457,7 @@ def test_real_federation_matches_simulation(federation, tmp_path, keep_threads):
     # Flower's own SuperNodes start a ClientApp process per message (about 20-35 s a round on two cores): one round
     # here; two rounds bit for bit are the long-running workers' test (test_flower_longrunning.py), and the state
     # carried from round to round is the fake grid's (test_fake_grid_*), both through the same ServerApp.
-    cfg = flower_config(rounds=1)
+    cfg = flower_config(rounds=1, clients_per_round=2, **{"partition.num_clients": 2})
     run_dir = tmp_path / "run"
     app = write_app(tmp_path / "app", cfg, run_dir=str(run_dir), round_timeout=120, discovery_timeout=60)
     run_id = federation.submit(app)
@@ -468,7 +468,7 @@ def test_real_federation_matches_simulation(federation, tmp_path, keep_threads):
     expected, sim_history = simulate(cfg)
     assert torch.allclose(checkpoint_flat(cfg, run_dir), expected, atol=1e-6)
     rows = read_rows(run_dir)
-    assert [r["clients"] for r in rows] == [3]
+    assert [r["clients"] for r in rows] == [2]
     assert [(r["bytes_down"], r["bytes_up"]) for r in rows] == [(r["bytes_down"], r["bytes_up"]) for r in sim_history]
 
     # No runtime dependency installation: the SuperLink's SuperExec runs without the allow flag.
