@@ -11,6 +11,9 @@ continues where it stopped; the summary table (mean ± std over seeds) is printe
     python benchmarks/compare_htfllib.py --data-dir path/to/HtFLlib/dataset/mnist \
         [--rounds 6] [--seeds 0 1 2] [--methods fd,fedproto,fedgh,fedtgp,local_only] [--out FILE]
 
+A method may carry settings of its card, ``--methods "fd:teacher=logits"`` (HtFLlib's current FD target); the
+results are keyed by that whole name.
+
 The reference side's procedure (the local edits to HtFLlib and its commands) is written out in
 benchmarks/RESULTS.md, "The class-statistics family against HtFLlib's code".
 """
@@ -29,9 +32,21 @@ METHODS = ["fd", "fedproto", "fedgh", "fedtgp", "local_only"]
 ASSIGNMENT = ["ht_fedavgcnn", "ht_resnet4", "ht_resnet6"]
 
 
+def parse_method(spec: str) -> dict:
+    """``fd`` or ``fd:teacher=logits,lam=2``: a method and settings of its card (values read as YAML scalars)."""
+    import yaml
+
+    name, _, settings = spec.partition(":")
+    params = {}
+    for item in filter(None, settings.split(",")):
+        key, _, value = item.partition("=")
+        params[key] = yaml.safe_load(value)
+    return {"name": name, **params}
+
+
 def config_tree(method: str, data_dir: str, rounds: int, seed: int) -> dict:
     return {
-        "algorithm": {"name": method},
+        "algorithm": parse_method(method),
         "dataset": {"name": "npz_federation", "data_dir": data_dir},
         "model": {"clients": list(ASSIGNMENT)},
         "partition": {"num_clients": 20},
@@ -46,6 +61,7 @@ def run_one(method: str, data_dir: str, rounds: int, seed: int) -> dict:
     import torch
 
     from fedistill.config import build_config
+    from fedistill.errors import TrainingDiverged
     from fedistill.runner import load_dataset_for
     from fedistill.simulation import Simulation
 
@@ -54,7 +70,7 @@ def run_one(method: str, data_dir: str, rounds: int, seed: int) -> dict:
     sim = Simulation(cfg, load_dataset_for(cfg))
     rows = []
     try:
-        for rnd in range(1, rounds + 1):
+        for rnd in range(1, rounds + 1):  # a run that goes non-finite is recorded as such, with its rounds
             started = time.perf_counter()
             row = sim.run_round(rnd)
             rows.append({
@@ -64,6 +80,9 @@ def run_one(method: str, data_dir: str, rounds: int, seed: int) -> dict:
             })  # fmt: skip
             print(f"{method} seed {seed} round {rnd}: pooled {row['personal_pooled_accuracy']:.2f}, "
                   f"client mean {row['personal_accuracy']:.2f} ({rows[-1]['seconds']:.0f} s)", flush=True)  # fmt: skip
+    except TrainingDiverged as error:
+        print(f"{method} seed {seed}: diverged: {error}", flush=True)
+        return {"rounds": rows, "diverged": str(error)}
     finally:
         sim.close()
     return {"rounds": rows}
@@ -81,6 +100,11 @@ def table(results: dict) -> str:
         "|---|---:|---:|---:|---:|---:|---|",
     ]
     for method, by_seed in results.items():
+        diverged = [seed for seed, r in by_seed.items() if "diverged" in r]
+        if diverged:
+            first = min(len(by_seed[s]["rounds"]) + 1 for s in diverged)
+            lines.append(f"| {method} | {len(by_seed)} | non-finite in round {first} (seeds {', '.join(diverged)}) | | | | |")
+            continue
         runs = [r["rounds"] for r in by_seed.values()]
         if not runs:
             continue
@@ -99,7 +123,7 @@ def main() -> None:
     parser.add_argument("--data-dir", required=True, help="HtFLlib's dataset/mnist (train/ and test/ of .npz files)")
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument("--methods", default=",".join(METHODS), help="comma-separated; with settings, separate by ';'")
     parser.add_argument("--out", default="benchmarks/out/htfllib-comparison.json")
     args = parser.parse_args()
     out = Path(args.out)
@@ -108,7 +132,7 @@ def main() -> None:
     if results.get("_protocol", {}).get("rounds", args.rounds) != args.rounds:
         raise SystemExit(f"{out} holds runs of another number of rounds: name another --out")
     results["_protocol"] = {"rounds": args.rounds, "assignment": ASSIGNMENT}
-    for method in args.methods.split(","):
+    for method in args.methods.split(";" if ":" in args.methods else ","):
         for seed in args.seeds:
             if str(seed) in results.get(method, {}):
                 continue  # finished in an earlier invocation
