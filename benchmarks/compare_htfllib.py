@@ -14,6 +14,15 @@ continues where it stopped; the summary table (mean ± std over seeds) is printe
 A method may carry settings of its card, ``--methods "fd:teacher=logits"`` (HtFLlib's current FD target); the
 results are keyed by that whole name.
 
+The reference's runs are read from their logs (one ``<NAME>_seed<S>.log`` per run, its ``EVAL_JSON`` lines, which
+the local edit 5 prints; REFERENCE_LOGS maps our method names to theirs) and set beside ours, with the acceptance of
+spec/experiments-hetero.md §5.4 (our 3-seed mean of the final pooled accuracy within two standard deviations of
+the reference's mean):
+
+    python benchmarks/compare_htfllib.py --table-only --out FILE --reference-logs path/to/logs
+
+``--reference-logs`` writes what it read to ``<out>-reference.json``; without it, that file is used if present.
+
 The reference side's procedure (the local edits to HtFLlib and its commands) is written out in
 benchmarks/RESULTS.md, "The class-statistics family against HtFLlib's code".
 """
@@ -30,6 +39,12 @@ METHODS = ["fd", "fedproto", "fedgh", "fedtgp", "local_only"]
 # HtFLlib's FedAvgCNN (dim 1024 for 28x28), ResNet-4 and ResNet-6, one-channel stems: the reduced protocol's
 # assignment (the reference's HtFE-mnist-3, built from its own code with the same members in the same order)
 ASSIGNMENT = ["ht_fedavgcnn", "ht_resnet4", "ht_resnet6"]
+
+
+# our method (with its card settings) -> the reference's log name (HtFLlib's -algo, and which tree: FDsoftmax is FD
+# with the soft target of HtFLlib before its commit ca3e29a, the local edit 8 of RESULTS)
+REFERENCE_LOGS = {"fd": "FDsoftmax", "fd:teacher=logits": "FDlogits", "fedproto": "FedProto", "fedgh": "FedGH",
+                  "fedtgp": "FedTGP"}  # fmt: skip
 
 
 def parse_method(spec: str) -> dict:
@@ -114,18 +129,89 @@ def table(results: dict) -> str:
         seconds = statistics.mean(x["seconds"] for r in runs for x in r[1:] or r)
         second = runs[0][1] if len(runs[0]) > 1 else runs[0][0]
         lines.append(f"| {method} | {len(runs)} | {mean_std(final)} | {mean_std(best)} | {mean_std(client)} | "
-                     f"{seconds:.1f} | {second['bytes_up']:,} / {second['bytes_down']:,} |")  # fmt: skip
+                     f"{seconds:.1f} | {second['bytes_up'] or 0:,} / {second['bytes_down'] or 0:,} |")  # fmt: skip
+    return "\n".join(lines)
+
+
+def read_reference_logs(log_dir: Path) -> dict:
+    """The reference's runs as ours are stored: {method: {seed: {"rounds": [...]}}}, accuracies in %.
+
+    HtFLlib evaluates before every round's training, so its row i is the model after i rounds and row 0 the
+    untrained one (dropped). A run that stopped with an error (``EXIT`` in the log, e.g. scikit-learn refusing the
+    NaN scores of a diverged model) is recorded as diverged with its last error line.
+    """
+    import re
+
+    results: dict = {}
+    for method, name in REFERENCE_LOGS.items():
+        for log in sorted(log_dir.glob(f"{name}_seed*.log")):
+            seed = re.fullmatch(rf"{name}_seed(\d+)\.log", log.name).group(1)
+            lines = log.read_text(errors="replace").splitlines()
+            evals = [json.loads(line[len("EVAL_JSON "):]) for line in lines if line.startswith("EVAL_JSON ")]
+            rows = [{"round": i, "pooled": 100 * e["pooled"], "client_mean": 100 * e["client_mean"]}
+                    for i, e in enumerate(evals) if i > 0]  # fmt: skip
+            run: dict = {"rounds": rows}
+            if any(line.startswith("EXIT") for line in lines):
+                errors = [line for line in lines if "Error" in line]
+                run["diverged"] = errors[-1] if errors else "stopped with an error"
+            elif not any("All done" in line for line in lines):
+                continue  # still running
+            results.setdefault(method, {})[seed] = run
+    return results
+
+
+def side_by_side(ours: dict, reference: dict) -> str:
+    """Final and best pooled accuracy and the final mean over clients of both sides, with §5.4's verdict."""
+    lines = [
+        "| method | ours: final pooled | reference: final pooled | ours − reference | within 2 std of the reference | "
+        "ours: best pooled | reference: best pooled | ours: final client mean | reference: final client mean |",
+        "|---|---:|---:|---:|---|---:|---:|---:|---:|",
+    ]
+    for method in ours:
+        if method not in reference:
+            continue
+        sides = []
+        for by_seed in (ours[method], reference[method]):
+            finished = [r["rounds"] for r in by_seed.values() if "diverged" not in r]
+            diverged = [r for r in by_seed.values() if "diverged" in r]
+            sides.append((finished, diverged))
+        if any(diverged for _, diverged in sides):
+            described = []
+            for finished, diverged in sides:
+                described.append(f"{len(diverged)} of {len(diverged) + len(finished)} seeds non-finite "
+                                 f"(round {min(len(r['rounds']) + 1 for r in diverged)})" if diverged else "finite")  # fmt: skip
+            lines.append(f"| {method} | {described[0]} | {described[1]} | | both sides diverge: {'yes' if all(d for _, d in sides) else 'no'} | | | | |")
+            continue
+        (o, _), (r, _) = sides
+        final_o, final_r = [x[-1]["pooled"] for x in o], [x[-1]["pooled"] for x in r]
+        gap = statistics.mean(final_o) - statistics.mean(final_r)
+        std_r = statistics.stdev(final_r) if len(final_r) > 1 else float("nan")
+        std_max = max(std_r, statistics.stdev(final_o) if len(final_o) > 1 else 0.0)
+        verdict = ("yes" if abs(gap) <= 2 * std_r else
+                   f"only with our larger std ({2 * std_max:.2f})" if abs(gap) <= 2 * std_max else
+                   f"no (2 std = {2 * std_r:.2f})")  # fmt: skip
+        lines.append(
+            f"| {method} | {mean_std(final_o)} | {mean_std(final_r)} | {gap:+.2f} | {verdict} | "
+            f"{mean_std([max(x['pooled'] for x in run) for run in o])} | {mean_std([max(x['pooled'] for x in run) for run in r])} | "
+            f"{mean_std([x[-1]['client_mean'] for x in o])} | {mean_std([x[-1]['client_mean'] for x in r])} |"
+        )
     return "\n".join(lines)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--data-dir", required=True, help="HtFLlib's dataset/mnist (train/ and test/ of .npz files)")
+    parser.add_argument("--data-dir", help="HtFLlib's dataset/mnist (train/ and test/ of .npz files)")
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--methods", default=",".join(METHODS), help="comma-separated; with settings, separate by ';'")
     parser.add_argument("--out", default="benchmarks/out/htfllib-comparison.json")
+    parser.add_argument("--reference-logs", type=Path, help="the reference runs' logs (<NAME>_seed<S>.log)")
+    parser.add_argument("--table-only", action="store_true", help="run nothing; print the tables of --out")
     args = parser.parse_args()
+    if args.table_only:
+        return print_tables(Path(args.out), args.reference_logs)
+    if not args.data_dir:
+        parser.error("--data-dir is required unless --table-only")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     results = json.loads(out.read_text()) if out.exists() else {}
@@ -138,7 +224,18 @@ def main() -> None:
                 continue  # finished in an earlier invocation
             results.setdefault(method, {})[str(seed)] = run_one(method, args.data_dir, args.rounds, seed)
             out.write_text(json.dumps(results, indent=1))
-    print(table({m: r for m, r in results.items() if not m.startswith("_")}))
+    print_tables(out, args.reference_logs)
+
+
+def print_tables(out: Path, reference_logs: Path | None) -> None:
+    ours = {m: r for m, r in json.loads(out.read_text()).items() if not m.startswith("_")}
+    print(table(ours))
+    reference_file = out.with_name(out.stem + "-reference.json")
+    if reference_logs is not None:
+        reference_file.write_text(json.dumps(read_reference_logs(reference_logs), indent=1))
+    if reference_file.exists():
+        print("\nAgainst HtFLlib's code (" + str(reference_file) + "):\n")
+        print(side_by_side(ours, json.loads(reference_file.read_text())))
 
 
 if __name__ == "__main__":
