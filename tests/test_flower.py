@@ -654,7 +654,7 @@ def test_fake_grid_federated_distillation_equals_the_simulation(tmp_path, keep_t
         assert state.keys() == sim_state.keys() and state["setup_sent"] is True
         assert torch.equal(state["model"], sim_state["model"]) and torch.equal(state["momentum"], sim_state["momentum"])
 
-# ============ own models and class statistics (local_only, fd, fedproto, fedgh, fedtgp): rows and ids, a header, or nothing
+# ============ own models and class statistics or a shared head (local_only, fd, fedproto, fedgh, fedtgp, lg_fedavg)
 @pytest.mark.parametrize(
     "algorithm, clients",
     [
@@ -663,6 +663,7 @@ def test_fake_grid_federated_distillation_equals_the_simulation(tmp_path, keep_t
         ("fedproto", ["digits_cnn", "resnet8", "logistic"]),  # prototypes, and the evaluate phase scores with the new ones
         ("fedgh", ["digits_cnn", "resnet8", "logistic"]),  # prototypes up, the server's trained header down
         ("fedtgp", ["digits_cnn", "resnet8", "logistic"]),  # prototypes up, the server generator's prototypes down
+        ("lg_fedavg", ["digits_cnn", "resnet8", "logistic"]),  # a head and n_k up, the averaged head down
     ],
 )
 def test_fake_grid_own_model_methods_equal_the_simulation(tmp_path, keep_threads, task_identity, algorithm, clients):

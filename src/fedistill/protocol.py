@@ -198,12 +198,14 @@ class Exchange:
     Every kind but ``"weights"`` lets each client keep its own model, of its own architecture, scored on its own
     test split (personal accuracy; no global model on the test set). ``uploads`` names what travels up, in the
     engine's messages ("per-class mean logits"). ``common_feature``: the uploaded rows are features added across
-    clients, so every client model needs ``extract`` and one ``feature_dim`` for all.
+    clients, so every client model needs ``extract`` and one ``feature_dim`` for all. ``one_architecture``: what is
+    averaged is a set of layers of one architecture (LG-FedAvg's paper form), so every client needs the same.
     """
 
     kind: str = "weights"
     uploads: str = ""
     common_feature: bool = False
+    one_architecture: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in EXCHANGE_KINDS:

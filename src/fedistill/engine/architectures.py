@@ -68,10 +68,10 @@ def check_architectures(cfg: Any, algorithm: Any, num_clients: int) -> list[str]
     names = client_architectures(cfg, num_clients)
     exchange = exchange_of(algorithm)
     method = cfg.algorithm.display_name()
-    if exchange.global_model and len(set(names)) > 1:
+    if (exchange.global_model or exchange.one_architecture) and len(set(names)) > 1:
         key = "model.group" if cfg.model.group else "model.clients"
         raise ConfigError(
-            f"{key}: {method} averages weights, so every client needs the same architecture; this config gives "
+            f"{key}: {method} averages {'weights' if exchange.global_model else exchange.uploads}, so every client needs the same architecture; this config gives "
             f"{sorted(set(names))}. Use one model (model.name), or a method whose clients keep models of their own "
             f"({methods_where(lambda e: e.own_models)})"
         )

@@ -25,6 +25,7 @@ ASSIGNMENT = 8  # the seeded random draw of each client's architecture (model.cl
 FD_SERVER = 9  # the federated-distillation server's batch order in round t (FedGKT, FedDKC, FedICT)
 FEDGH = 10  # FedGH's global header (initial weights) and the round's order of the uploaded rows
 FEDTGP = 11  # FedTGP's prototype generator (initial weights) and the round's order of the uploaded rows
+LG_FEDAVG = 12  # LG-FedAvg's initial global head
 
 
 def derive_seed(seed: int, *coords: int) -> int:
