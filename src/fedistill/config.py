@@ -171,6 +171,11 @@ class ModelConfig(_Section):
         None, description="each client draws its model with these probabilities, seeded (FedICT's TMD setting)"
     )
     server: str | None = Field(None, description="the server's predictor on uploaded features (FedGKT/FedDKC/FedICT)")
+    shared: str | None = Field(
+        None,
+        description="the shared model every client trains beside its own, for methods that average one (FML's meme); "
+        "null: the first member of the assignment (client 0's architecture, HtFLlib's models[0])",
+    )
     server_kwargs: dict[str, Any] = Field(default_factory=dict)
 
     @model_validator(mode="after")

@@ -783,3 +783,33 @@ def skr_refine(
         s = torch.where(clamp_low, torch.full_like(s, float(low)), s)
         s = torch.where(clamp_high, torch.full_like(s, float(high)), s)
         return torch.softmax(z / s[:, None], dim=1).float()
+
+
+# -- FML (spec/fml.md) --------------------------------------------------------------------------------------------
+def mutual_learning_losses(
+    private_logits: torch.Tensor,
+    meme_logits: torch.Tensor,
+    labels: torch.Tensor,
+    alpha: float,
+    beta: float,
+    kl_reduction: str = "mean",
+    detach_targets: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """FML's two losses (spec/fml.md F2): ``L_priv = α CE(z, y) + (1 − α) KL(q ‖ p)`` and
+    ``L_meme = β CE(u, y) + (1 − β) KL(p ‖ q)``, p = softmax(z) of the private model, q = softmax(u) of the meme.
+
+    ``kl_reduction``: ``"mean"`` averages the KL over all |b|·C elements (PyTorch's ``KLDivLoss()`` default, as
+    HtFLlib; card ambiguity 1), ``"batchmean"`` over the |b| samples (the authors' code: C times the former).
+    ``detach_targets``: each KL's target distribution a constant (the authors' DML, F3's paper form); by default
+    (HtFLlib) it is not, so the sum of the two losses sends each model the gradient of both KL terms."""
+    if kl_reduction not in ("mean", "batchmean"):
+        raise ValueError(f"mutual_learning_losses: kl_reduction must be 'mean' or 'batchmean', not {kl_reduction!r}")
+    log_p, log_q = F.log_softmax(private_logits, dim=1), F.log_softmax(meme_logits, dim=1)
+    target_q, target_p = (log_q.detach(), log_p.detach()) if detach_targets else (log_q, log_p)
+    # Summed, then divided by |b|·C ("mean") or |b| ("batchmean"): PyTorch warns on its own "mean" reduction.
+    divisor = private_logits.shape[0] * (private_logits.shape[1] if kl_reduction == "mean" else 1)
+    kl_q_p = F.kl_div(log_p, target_q, reduction="sum", log_target=True) / divisor  # KL(q ‖ p)
+    kl_p_q = F.kl_div(log_q, target_p, reduction="sum", log_target=True) / divisor  # KL(p ‖ q)
+    private = alpha * F.cross_entropy(private_logits, labels) + (1.0 - alpha) * kl_q_p
+    meme = beta * F.cross_entropy(meme_logits, labels) + (1.0 - beta) * kl_p_q
+    return private, meme

@@ -200,12 +200,16 @@ class Exchange:
     engine's messages ("per-class mean logits"). ``common_feature``: the uploaded rows are features added across
     clients, so every client model needs ``extract`` and one ``feature_dim`` for all. ``one_architecture``: what is
     averaged is a set of layers of one architecture (LG-FedAvg's paper form), so every client needs the same.
+    ``shared_model``: every client trains a model of one architecture beside its own (``model.shared``, by default
+    the assignment's first member), whose weights travel and are averaged: FML's meme. The server gets its seeded
+    initial weights (``ServerContext.shared_initial``), a client a worker of it (``ClientContext.shared_model``).
     """
 
     kind: str = "weights"
     uploads: str = ""
     common_feature: bool = False
     one_architecture: bool = False
+    shared_model: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in EXCHANGE_KINDS:
@@ -258,6 +262,9 @@ class ClientContext:
     precision: str = "fp32"
     # w_g^0: the seeded initial global model, known to every client from the config (MOON's first "previous")
     initial_weights: torch.Tensor | None = None
+    # A reused worker of the shared model (``Exchange.shared_model``: FML's meme), separate from ``model`` even
+    # where the architectures are the same; load its weights with set_flat. None for other methods.
+    shared_model: torch.nn.Module | None = None
     round: int = 0  # the current round t (1-based), as in RoundInfo; schedules such as FedLMD's switch use it
     # How ``state`` is kept between rounds (run.client_state_dtype): "bf16" rounds its float32 tensors when
     # saved. A client uploading the change of a state entry computes it from engine.state_store.as_stored.
@@ -319,6 +326,8 @@ class ServerContext:
     # model's ``feature_dim``, checked equal): what a server module on the uploaded rows is sized by (FedGH's
     # header, FedTGP's prototypes). 0 otherwise.
     feature_dim: int = 0
+    # The shared model's seeded initial weights (flat), where the method declares ``Exchange.shared_model``.
+    shared_initial: torch.Tensor | None = None
     # The round's aggregate ŵ as a flat vector, set by FedAvg-family aggregation before any server refiner
     # changes the model (FedFTG, FedDF, DaFKD): the engine evaluates it to record what the server's own step
     # did to accuracy and to tell which step threw a collapsed round to chance (issue 61). Transient: the

@@ -22,6 +22,7 @@ from . import (  # noqa: F401
     fedproto,
     fedrs,
     fedtgp,
+    fml,
     lg_fedavg,
     local_only,
     moon,

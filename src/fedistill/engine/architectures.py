@@ -42,6 +42,12 @@ def client_architectures(cfg: Any, num_clients: int) -> list[str]:
     return [cfg.model_name()] * num_clients
 
 
+def shared_model_name(cfg: Any) -> str:
+    """The shared model's architecture (``Exchange.shared_model``): ``model.shared``, or the assignment's first
+    member (client 0's architecture: HtFLlib's ``models[0]``)."""
+    return cfg.model.shared or client_architectures(cfg, 1)[0]
+
+
 def assignment_key(cfg: Any) -> str:
     """The config key that gives the clients their architectures (what an error about them names)."""
     model = cfg.model

@@ -12,13 +12,13 @@ from ..config import Config
 from ..data.dataset import Dataset
 from ..data.pipeline import AugmentSpec, TensorPipeline
 from ..models.flat import get_flat
-from ..protocol import EVAL_PREFIX, Algorithm, ClientContext, Message, RoundInfo
-from .architectures import client_architectures
+from ..protocol import EVAL_PREFIX, Algorithm, ClientContext, Message, RoundInfo, exchange_of
+from .architectures import client_architectures, shared_model_name
 from .cuda_graphs import fixed_input
 from .evaluation import evaluate
 from .perf import deterministic_kernels
 from .run_setup import build_model_for
-from .seeding import CLIENT, INIT, make_generator
+from .seeding import CLIENT, INIT, SHARED_MODEL, make_generator
 
 # Builds a method from a config: what the runtimes are handed instead of importing the algorithms.
 AlgorithmFactory = Callable[[Config], Algorithm]
@@ -60,6 +60,12 @@ class ClientRuntime:
         self.initial_weights_of: dict[str, torch.Tensor] = {}
         self.worker = self.worker_for(cfg.model_name()) if self._uses(cfg.model_name()) else None
         self.initial_weights = self.initial_weights_of.get(cfg.model_name())  # = the server's w_g^0
+        # The shared model beside each client's own (Exchange.shared_model: FML's meme): one more reused worker,
+        # apart from the architecture workers even where its architecture is one of theirs.
+        self.shared_worker = (
+            build_model_for(cfg, dataset, (INIT, SHARED_MODEL), shared_model_name(cfg))
+            if exchange_of(self.algorithm).shared_model else None
+        )  # fmt: skip
 
     def _uses(self, name: str) -> bool:
         return any(self.architecture(cid) == name for cid in self.train_indices)
@@ -91,6 +97,7 @@ class ClientRuntime:
             device=self.device,
             precision=self.cfg.run.precision,
             initial_weights=self.initial_weights_of[name],
+            shared_model=self.shared_worker,
             round=rnd,
             state_dtype=self.cfg.run.client_state_dtype,
             cuda_graphs=self.cfg.run.cuda_graphs,

@@ -26,6 +26,7 @@ FD_SERVER = 9  # the federated-distillation server's batch order in round t (Fed
 FEDGH = 10  # FedGH's global header (initial weights) and the round's order of the uploaded rows
 FEDTGP = 11  # FedTGP's prototype generator (initial weights) and the round's order of the uploaded rows
 LG_FEDAVG = 12  # LG-FedAvg's initial global head
+SHARED_MODEL = 13  # the initial weights of the shared model beside the clients' own (Exchange.shared_model: FML's meme)
 
 
 def derive_seed(seed: int, *coords: int) -> int:
