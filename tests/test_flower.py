@@ -654,7 +654,7 @@ def test_fake_grid_federated_distillation_equals_the_simulation(tmp_path, keep_t
         assert state.keys() == sim_state.keys() and state["setup_sent"] is True
         assert torch.equal(state["model"], sim_state["model"]) and torch.equal(state["momentum"], sim_state["momentum"])
 
-# ============ own models and class statistics or a shared part (local_only, fd, fedproto, fedgh, fedtgp, lg_fedavg, fml)
+# ============ own models and class statistics or a shared part (local_only, fd, fedproto, fedgh, fedtgp, lg_fedavg, fml, fedmrl)
 @pytest.mark.parametrize(
     "algorithm, clients",
     [
@@ -665,17 +665,19 @@ def test_fake_grid_federated_distillation_equals_the_simulation(tmp_path, keep_t
         ("fedtgp", ["digits_cnn", "resnet8", "logistic"]),  # prototypes up, the server generator's prototypes down
         ("lg_fedavg", ["digits_cnn", "resnet8", "logistic"]),  # a head and n_k up, the averaged head down
         ("fml", ["digits_cnn", "resnet8", "logistic"]),  # the meme both ways, the private models in context.state
+        ({"name": "fedmrl", "sub_feature_dim": 64}, ["digits_cnn", "resnet8", "logistic"]),  # the shared small model both ways
     ],
 )
 def test_fake_grid_own_model_methods_equal_the_simulation(tmp_path, keep_threads, task_identity, algorithm, clients):
     """Three architectures, two rounds, over Flower's transport encoding: the rows (personal accuracies, bytes from
     the same Messages, the uncounted training loss) and every client's own model in its node's context.state
     equal the simulation's exactly."""
-    cfg = flower_config(rounds=2, algorithm={"name": algorithm}, **{"model.clients": clients, "local.lr": 0.01})
+    algorithm = algorithm if isinstance(algorithm, dict) else {"name": algorithm}
+    cfg = flower_config(rounds=2, algorithm=algorithm, **{"model.clients": clients, "local.lr": 0.01})
     sim, sim_history, grid, rows, _, _ = simulation_and_wire_run(cfg, tmp_path)
     keys = ("clients", "train_loss", "bytes_down", "bytes_up", "test_accuracy", "personal_clients", "personal_accuracies")
     assert [{k: r[k] for k in keys} for r in rows] == [{k: r[k] for k in keys} for r in sim_history]
-    assert rows[-1]["personal_clients"] == [0, 1, 2] and (rows[-1]["bytes_up"] > 0) == (algorithm != "local_only")
+    assert rows[-1]["personal_clients"] == [0, 1, 2] and (rows[-1]["bytes_up"] > 0) == (algorithm["name"] != "local_only")
     for cid in range(3):
         state = load_client_state(grid.contexts[1000 + cid].state, cid)
         assert torch.equal(state["model"], sim.server_runtime.client_store.load(cid)["model"])

@@ -813,3 +813,11 @@ def mutual_learning_losses(
     private = alpha * F.cross_entropy(private_logits, labels) + (1.0 - alpha) * kl_q_p
     meme = beta * F.cross_entropy(meme_logits, labels) + (1.0 - beta) * kl_p_q
     return private, meme
+
+
+# -- FedMRL (spec/fedmrl.md) --------------------------------------------------------------------------------------
+def matryoshka_loss(private_logits: torch.Tensor, shared_logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """FedMRL's client loss (spec/fedmrl.md M2): ``CE(z, y) + CE(u, y)``, the private head's logits z on the whole
+    fused representation and the shared head's u on its first s dimensions, both batch means, weights 1 and 1
+    (HtFLlib and the authors' code)."""
+    return F.cross_entropy(private_logits, labels) + F.cross_entropy(shared_logits, labels)

@@ -265,6 +265,9 @@ class ClientContext:
     # A reused worker of the shared model (``Exchange.shared_model``: FML's meme), separate from ``model`` even
     # where the architectures are the same; load its weights with set_flat. None for other methods.
     shared_model: torch.nn.Module | None = None
+    # The run seed: what a client draws once for the whole run (FedMRL's initial projector) comes from
+    # make_generator(seed, TAG, 0, cid), the same in every round, process and resume.
+    seed: int = 0
     round: int = 0  # the current round t (1-based), as in RoundInfo; schedules such as FedLMD's switch use it
     # How ``state`` is kept between rounds (run.client_state_dtype): "bf16" rounds its float32 tensors when
     # saved. A client uploading the change of a state entry computes it from engine.state_store.as_stored.
@@ -382,6 +385,16 @@ class Algorithm:
     def __init__(self, params: AlgorithmParams, local: Any) -> None:
         self.params = params
         self.local = local  # LocalConfig: epochs, batch size, lr, momentum, weight decay
+
+    def refuse_models(self, models: Mapping[str, torch.nn.Module]) -> str | None:
+        """Why the method cannot train these client models ({architecture: one built model}), or None: the engine
+        refuses the assignment with it in one line before any work (FedMRL: a private feature narrower than s)."""
+        return None
+
+    def shared_model_options(self) -> dict[str, Any]:
+        """Options the shared model is built with where the method declares ``Exchange.shared_model`` and the
+        model takes them (FedMRL's ``{"feature_dim": s}``); the engine refuses one that cannot have them."""
+        return {}
 
     def init_server(self, server: ServerContext) -> None:
         """Fill ``server.state`` before round 1 (global weights are already in ``server.model``)."""

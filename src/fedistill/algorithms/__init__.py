@@ -16,6 +16,7 @@ from . import (  # noqa: F401
     fedgkt,
     fedict,
     fedlmd,
+    fedmrl,
     fednova,
     fedntd,
     fedprox,

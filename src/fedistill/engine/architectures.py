@@ -112,9 +112,12 @@ def check_client_models(cfg: Any, algorithm: Any, models: Mapping[str, Any]) -> 
     across clients (``Exchange.common_feature``) need ``extract`` and one ``feature_dim`` for every architecture.
     ``models``: one built model per architecture name."""
     exchange = exchange_of(algorithm)
+    key, method = assignment_key(cfg), cfg.algorithm.display_name()
+    reason = algorithm.refuse_models(models)
+    if reason:
+        raise ConfigError(f"{key}: {method} {reason}")
     if not exchange.common_feature:
         return
-    key, method = assignment_key(cfg), cfg.algorithm.display_name()
     lacking = [name for name, model in models.items() if not (hasattr(model, "extract") and hasattr(model, "feature_dim"))]
     if lacking:
         raise ConfigError(f"{key}: {method} uploads {exchange.uploads}, which needs a model with a feature extractor "

@@ -13,12 +13,12 @@ from ..data.dataset import Dataset
 from ..data.pipeline import AugmentSpec, TensorPipeline
 from ..models.flat import get_flat
 from ..protocol import EVAL_PREFIX, Algorithm, ClientContext, Message, RoundInfo, exchange_of
-from .architectures import client_architectures, shared_model_name
+from .architectures import client_architectures
 from .cuda_graphs import fixed_input
 from .evaluation import evaluate
 from .perf import deterministic_kernels
-from .run_setup import build_model_for
-from .seeding import CLIENT, INIT, SHARED_MODEL, make_generator
+from .run_setup import build_model_for, build_shared_model
+from .seeding import CLIENT, INIT, make_generator
 
 # Builds a method from a config: what the runtimes are handed instead of importing the algorithms.
 AlgorithmFactory = Callable[[Config], Algorithm]
@@ -62,10 +62,7 @@ class ClientRuntime:
         self.initial_weights = self.initial_weights_of.get(cfg.model_name())  # = the server's w_g^0
         # The shared model beside each client's own (Exchange.shared_model: FML's meme): one more reused worker,
         # apart from the architecture workers even where its architecture is one of theirs.
-        self.shared_worker = (
-            build_model_for(cfg, dataset, (INIT, SHARED_MODEL), shared_model_name(cfg))
-            if exchange_of(self.algorithm).shared_model else None
-        )  # fmt: skip
+        self.shared_worker = build_shared_model(cfg, dataset, self.algorithm) if exchange_of(self.algorithm).shared_model else None
 
     def _uses(self, name: str) -> bool:
         return any(self.architecture(cid) == name for cid in self.train_indices)
@@ -98,6 +95,7 @@ class ClientRuntime:
             precision=self.cfg.run.precision,
             initial_weights=self.initial_weights_of[name],
             shared_model=self.shared_worker,
+            seed=self.cfg.seed,
             round=rnd,
             state_dtype=self.cfg.run.client_state_dtype,
             cuda_graphs=self.cfg.run.cuda_graphs,

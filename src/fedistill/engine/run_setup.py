@@ -10,10 +10,11 @@ import torch
 
 from ..config import Config
 from ..data.dataset import Dataset
+from ..errors import ConfigError
 from ..protocol import RoundInfo
 from .cores import client_threads
 from .perf import keep_freed_memory_in_heap
-from .seeding import cpu_seeded, derive_seed
+from .seeding import INIT, SHARED_MODEL, cpu_seeded, derive_seed
 
 
 def build_model_for(
@@ -37,6 +38,28 @@ def build_model_for(
     model = model.to(cfg.run.device)
     if cfg.run.channels_last:
         model = model.to(memory_format=torch.channels_last)
+    return model
+
+
+def build_shared_model(cfg: Config, dataset: Dataset, algorithm: Any) -> torch.nn.Module:
+    """The shared model beside the clients' own (``Exchange.shared_model``), from its own seeded stream: the
+    architecture ``model.shared`` or the assignment's first member, with the options the method asks of it
+    (``Algorithm.shared_model_options``: FedMRL's feature width s) where the model takes them. Refused in one line
+    where it cannot have them."""
+    from ..models import model_options
+    from .architectures import shared_model_name
+
+    name = shared_model_name(cfg)
+    asked = algorithm.shared_model_options()
+    accepted = model_options(name)
+    kwargs = {**cfg.model.kwargs_for(name, cfg.model_name()), **{k: v for k, v in asked.items() if k in accepted}}
+    model = build_model_for(cfg, dataset, (INIT, SHARED_MODEL), name, kwargs=kwargs)
+    wanted = asked.get("feature_dim")
+    if wanted is not None and getattr(model, "feature_dim", None) != wanted:
+        raise ConfigError(
+            f"model.shared: {cfg.algorithm.display_name()} needs a shared model with a {wanted}-wide feature; {name} "
+            f"has {getattr(model, 'feature_dim', 'no feature')} and no feature_dim option (name one that has, e.g. ht_fedavgcnn)"
+        )
     return model
 
 

@@ -21,7 +21,7 @@ from ..data.pipeline import TensorPipeline
 from ..errors import ConfigError, TrainingDiverged
 from ..models.flat import get_flat, num_flat, set_flat
 from ..protocol import EVAL_PREFIX, Algorithm, Message, RoundInfo, ServerContext, exchange_of, reported_train_loss
-from .architectures import check_architectures, check_client_models, shared_model_name
+from .architectures import check_architectures, check_client_models
 from .checkpoint import (
     CHECKPOINT_NAME,
     check_compatible,
@@ -32,8 +32,8 @@ from .cuda_graphs import graphed_evaluate
 from .evaluation import evaluate
 from .federation import check_partition
 from .perf import deterministic_kernels
-from .run_setup import apply_process_settings, build_model_for, round_info, run_numerics  # noqa: F401  (re-exported)
-from .seeding import INIT, SERVER, SHARED_MODEL, make_generator, sample_clients
+from .run_setup import apply_process_settings, build_model_for, build_shared_model, round_info, run_numerics  # noqa: F401  (re-exported)
+from .seeding import INIT, SERVER, make_generator, sample_clients
 from .state_store import DiskStateStore, MemoryStateStore, make_state_store
 from .summary import personal_metrics, personal_metrics_from_counts, personal_metrics_of_ranges
 
@@ -172,7 +172,7 @@ class ServerRuntime:
         (Exchange.shared_model), from its own stream: the clients' workers of it are built from the same."""
         if not self.exchange.shared_model:
             return None
-        return get_flat(build_model_for(cfg, dataset, (INIT, SHARED_MODEL), shared_model_name(cfg)))
+        return get_flat(build_shared_model(cfg, dataset, self.algorithm))
 
     def _server_model(self, cfg: Config, dataset: Dataset, client_models: dict[str, torch.nn.Module]) -> torch.nn.Module:
         """The global model; for knowledge exchange, ``model.server`` on the clients' feature maps; for a method

@@ -1,0 +1,199 @@
+"""FedMRL (Yi et al., NeurIPS 2024; HtFLlib's ``FedMRL``): a shared small model's feature and the private
+model's feature, concatenated, are fused by a private projector into one Matryoshka representation whose first s
+dimensions feed the shared head and whose whole feeds the private head. Card: spec/fedmrl.md.
+
+The shared model g (``model.shared``, by default the assignment's first member, built with ``feature_dim = s``:
+HtFLlib's ``BaseHeadSplit(args, 0, feature_dim=s)``, card M7) travels and is averaged whole, extractor and head
+(M4-M5: the plain mean; ``weighting="samples"`` as an option). Client k, each round it is selected, forks it (M1),
+takes its projector P_k = Linear(s + d, d) (by default its *initial* P_k^0 every round, as HtFLlib, which never
+saves the trained one: card ambiguity 1; ``keep_projector=True`` keeps the trained one), and per batch (M2-M3)
+
+    v = [g_ex(x); e_k(x)],  m = P_k(v),  u = g_hd(m[:, :s]),  z = h_k(m),  L = CE(z, y) + CE(u, y)
+
+(:func:`~fedistill.losses.matryoshka_loss`), one plain-SGD step of the private model, the projector and the shared
+model. Inference (M6): argmax h_k(P_k([g_ex(x; ψ_t); e_k(x)])) with the new global shared model (personal model
+"assembled"); ``eval_head="shared"`` scores g_hd on the first s dimensions instead.
+
+P_k^0 is drawn from the client's own stream ``make_generator(seed, FEDMRL, 0, cid)`` with PyTorch's default Linear
+initialisation (weights and bias uniform in ±1/sqrt(s + d)): the same in every round, process and resume.
+``variant="paper"`` (the authors' code): kept projector, sample weighting, gradients clipped at 50 per part.
+Bytes (card §5): 4·|ψ| each way per client (+ 8 up for n_k with sample weighting); P_k and θ_k never travel.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, ClassVar, Literal
+
+import torch
+from pydantic import Field
+from torch import nn
+
+from ..engine.seeding import FEDMRL, make_generator
+from ..losses import matryoshka_loss
+from ..models.flat import get_flat, set_flat
+from ..protocol import Exchange, metric_items
+from ..registry import ALGORITHMS
+from .base import Algorithm, AlgorithmParams, ClientContext, Message, RoundInfo, ServerContext
+from .hetero import HtFLlibClientDefaults, keep_own_model, load_own_model
+from .local import autocast_context
+
+SHARED_KEY = "shared"  # server state and both messages: the shared model's flat weights (extractor and head)
+SAMPLES_KEY = "num_samples"  # the upload's n_k, with weighting="samples"
+PROJECTOR_KEY = "projector"  # client state with keep_projector: the trained P_k (weight then bias)
+
+
+class FedMRLParams(AlgorithmParams):
+    sub_feature_dim: int = Field(128, ge=1, description="s, the shared model's feature width and the small doll's size (HtFLlib -sfd 128)")
+    variant: Literal["htfllib", "paper"] = Field(
+        "htfllib", description="htfllib: projector reset every round, plain mean, no clipping; paper: the authors' code"
+    )
+    keep_projector: bool | None = Field(None, description="keep the trained projector across rounds; unset: by the variant (htfllib: no)")
+    weighting: Literal["uniform", "samples"] | None = Field(None, description="the server's mean; unset: by the variant (htfllib: uniform)")
+    clip_norm: float | None = Field(None, gt=0, description="each part's gradient clipped to this norm; unset: by the variant (paper: 50)")
+    eval_head: Literal["private", "shared"] = Field("private", description="the head scored at evaluation (M6)")
+
+    def resolved(self) -> tuple[bool, str, float | None]:
+        """(keep_projector, weighting, clip_norm) after the variant: an explicit setting wins."""
+        paper = self.variant == "paper"
+        keep = self.keep_projector if self.keep_projector is not None else paper
+        weighting = self.weighting or ("samples" if paper else "uniform")
+        clip = self.clip_norm if self.clip_norm is not None else (50.0 if paper else None)
+        return keep, weighting, clip
+
+
+class FusedPredictor(nn.Module):
+    """FedMRL's inference (M6): the private head on P_k([g_ex(x); e_k(x)]), or the shared head on its first s
+    dimensions (``head="shared"``)."""
+
+    def __init__(self, private: nn.Module, shared: nn.Module, projector: nn.Linear, s: int, head: str = "private") -> None:
+        super().__init__()
+        self.private, self.shared, self.projector, self.s, self.head = private, shared, projector, s, head
+
+    def fused(self, x: torch.Tensor) -> torch.Tensor:
+        return self.projector(torch.cat([self.shared.extract(x), self.private.extract(x)], dim=1))  # shared first (M2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        m = self.fused(x)
+        return self.private.classifier(m) if self.head == "private" else self.shared.classifier(m[:, : self.s])
+
+
+def initial_projector(client: ClientContext, s: int, d: int) -> torch.Tensor:
+    """P_k^0 as a flat vector (weight (d, s + d) then bias (d,)): PyTorch's default Linear initialisation, uniform
+    in ±1/sqrt(s + d), drawn from the client's own run-long stream."""
+    bound = (s + d) ** -0.5
+    g = make_generator(client.seed, FEDMRL, 0, client.cid)
+    return (torch.rand(d * (s + d) + d, generator=g) * 2 - 1) * bound
+
+
+@ALGORITHMS.register("fedmrl")
+class FedMRL(HtFLlibClientDefaults, Algorithm):
+    """FedMRL: a shared small model fused with each private model by a private projector into nested representations."""
+
+    name = "fedmrl"
+    Params = FedMRLParams
+    exchange: ClassVar[Exchange] = Exchange("shared sub-model", "the shared small model's weights", shared_model=True)
+    personal_model: ClassVar[str] = "assembled"  # its private model and projector with the new global shared model
+
+    def __init__(self, params: FedMRLParams, local: Any) -> None:
+        super().__init__(params, local)
+        self._projectors: dict[tuple[int, int], nn.Linear] = {}  # one reused worker per shape
+
+    def refuse_models(self, models: Mapping[str, nn.Module]) -> str | None:
+        narrow = {name: int(getattr(m, "feature_dim", 0)) for name, m in models.items() if not hasattr(m, "extract")
+                  or int(m.feature_dim) < self.params.sub_feature_dim}  # fmt: skip
+        if narrow:
+            return (f"fuses a {self.params.sub_feature_dim}-wide shared feature into each private one, which must be at "
+                    f"least as wide (card ambiguity 4); got {narrow}: lower algorithm.sub_feature_dim or widen the models")  # fmt: skip
+        return None
+
+    def shared_model_options(self) -> dict[str, Any]:
+        return {"feature_dim": self.params.sub_feature_dim}  # (M7)
+
+    # -- server ---------------------------------------------------------------------------------------------
+    def init_server(self, server: ServerContext) -> None:
+        if SHARED_KEY not in server.state:
+            if server.shared_initial is None:
+                raise ValueError("fedmrl: the engine gave the server no shared model (Exchange.shared_model)")
+            server.state[SHARED_KEY] = server.shared_initial.clone()
+
+    def broadcast(self, server: ServerContext, info: RoundInfo, cid: int) -> Message:
+        return Message({SHARED_KEY: server.state[SHARED_KEY]})  # (M1)
+
+    def aggregate(self, server: ServerContext, info: RoundInfo, replies: Mapping[int, Message]) -> dict[str, float]:
+        uploads = [r for r in replies.values() if SHARED_KEY in r]
+        if not uploads:
+            return {}
+        if self.params.resolved()[1] == "samples":
+            weights = torch.tensor([float(r[SAMPLES_KEY]) for r in uploads], dtype=torch.float64)
+        else:  # (M5): the plain mean of the arrived shared models, head included
+            weights = torch.ones(len(uploads), dtype=torch.float64)
+        weights = weights / weights.sum()
+        server.state[SHARED_KEY] = (weights @ torch.stack([r[SHARED_KEY].double() for r in uploads])).float()
+        return {}
+
+    # -- client ---------------------------------------------------------------------------------------------
+    def _load(self, client: ClientContext, msg: Message) -> FusedPredictor:
+        """The private model, the forked shared model (M1) and the projector, loaded into the reused workers."""
+        private, shared = client.model, client.shared_model
+        if shared is None:
+            raise ValueError("fedmrl: the engine gave the client no shared model (Exchange.shared_model)")
+        s, d = self.params.sub_feature_dim, int(private.feature_dim)
+        if s > d:
+            raise ValueError(f"fedmrl: sub_feature_dim s = {s} exceeds the private feature width d = {d} (card ambiguity 4)")
+        load_own_model(client)
+        set_flat(shared, msg[SHARED_KEY])
+        projector = self._projectors.get((s, d))
+        if projector is None:
+            projector = self._projectors[(s, d)] = nn.Linear(s + d, d).to(client.device)
+        kept = client.state.get(PROJECTOR_KEY) if self.params.resolved()[0] else None
+        set_flat(projector, kept if kept is not None else initial_projector(client, s, d))
+        return FusedPredictor(private, shared, projector, s, self.params.eval_head)
+
+    def local_update(self, client: ClientContext, info: RoundInfo, msg: Message) -> Message:
+        fused = self._load(client, msg)
+        keep, weighting, clip = self.params.resolved()
+        parts = (fused.private, fused.projector, fused.shared)
+        for part in parts:
+            part.train()
+        local = self.local
+        # Three optimisers made anew each round (HtFLlib): SGD at the client's rate as local.* say (M3).
+        optimizers = [
+            torch.optim.SGD(p.parameters(), lr=info.lr, momentum=local.momentum, weight_decay=local.weight_decay) for p in parts
+        ]  # fmt: skip
+        loss_sum = torch.zeros((), dtype=torch.float64, device=client.device)
+        seen, s = 0, self.params.sub_feature_dim
+        for _ in range(local.epochs):
+            for x, y in client.data.epoch_batches(client.train_indices, local.batch_size, client.generator):
+                with autocast_context(client.precision, client.device):
+                    m = fused.fused(x)  # (M2)
+                    z, u = fused.private.classifier(m), fused.shared.classifier(m[:, :s])
+                loss = matryoshka_loss(z.float(), u.float(), y)
+                for optimizer in optimizers:
+                    optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                if clip is not None:
+                    for part in parts:
+                        torch.nn.utils.clip_grad_norm_(part.parameters(), clip)
+                for optimizer in optimizers:
+                    optimizer.step()
+                loss_sum += loss.detach().double() * y.shape[0]
+                seen += int(y.shape[0])
+        keep_own_model(client)
+        if keep:
+            client.state[PROJECTOR_KEY] = get_flat(fused.projector)
+        upload: dict[str, Any] = {SHARED_KEY: get_flat(fused.shared)}  # (M4)
+        if weighting == "samples":
+            upload[SAMPLES_KEY] = int(client.num_samples)
+        mean_loss = float(loss_sum / seen) if seen else float("nan")
+        return Message({**upload, **metric_items(mean_loss, client.num_samples)})
+
+    # -- personalised evaluation (M6): private model and projector with the new global shared model ------------
+    def assemble_personal_model(self, client: ClientContext, msg: Message) -> None:
+        self._evaluated = (client.cid, self._load(client, msg))
+
+    def personal_predictor(self, client: ClientContext) -> nn.Module:
+        cid, predictor = getattr(self, "_evaluated", (None, None))
+        if cid != client.cid or predictor is None:
+            raise ValueError("fedmrl: personal_predictor before assemble_personal_model for this client")
+        return predictor
