@@ -654,7 +654,7 @@ def test_fake_grid_federated_distillation_equals_the_simulation(tmp_path, keep_t
         assert state.keys() == sim_state.keys() and state["setup_sent"] is True
         assert torch.equal(state["model"], sim_state["model"]) and torch.equal(state["momentum"], sim_state["momentum"])
 
-# ============ own models and class statistics or a shared part (local_only, fd, fedproto, fedgh, fedtgp, lg_fedavg, fml, fedmrl)
+# ============ own models and class statistics or a shared part (local_only, fd, fedproto, fedgh, fedtgp, lg_fedavg, fml, fedmrl, fedkd)
 @pytest.mark.parametrize(
     "algorithm, clients",
     [
@@ -666,6 +666,7 @@ def test_fake_grid_federated_distillation_equals_the_simulation(tmp_path, keep_t
         ("lg_fedavg", ["digits_cnn", "resnet8", "logistic"]),  # a head and n_k up, the averaged head down
         ("fml", ["digits_cnn", "resnet8", "logistic"]),  # the meme both ways, the private models in context.state
         ({"name": "fedmrl", "sub_feature_dim": 64}, ["digits_cnn", "resnet8", "logistic"]),  # the shared small model both ways
+        ("fedkd", ["digits_cnn", "resnet8", "logistic"]),  # the mentee's SVD factors both ways (empty ones at rank 0)
     ],
 )
 def test_fake_grid_own_model_methods_equal_the_simulation(tmp_path, keep_threads, task_identity, algorithm, clients):

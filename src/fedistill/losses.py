@@ -821,3 +821,32 @@ def matryoshka_loss(private_logits: torch.Tensor, shared_logits: torch.Tensor, l
     fused representation and the shared head's u on its first s dimensions, both batch means, weights 1 and 1
     (HtFLlib and the authors' code)."""
     return F.cross_entropy(private_logits, labels) + F.cross_entropy(shared_logits, labels)
+
+
+# -- FedKD (spec/fedkd.md) ----------------------------------------------------------------------------------------
+def adaptive_mutual_losses(
+    mentor_logits: torch.Tensor,
+    mentee_logits: torch.Tensor,
+    mentor_features: torch.Tensor,
+    mapped_mentee_features: torch.Tensor,
+    labels: torch.Tensor,
+    detach_peers: bool = False,
+) -> torch.Tensor:
+    """FedKD's summed client objective (spec/fedkd.md K2-K3): with S = CE_p + CE_g,
+    ``CE_p + CE_g + [KL̄(q ‖ p) + KL̄(p ‖ q) + 2·MSĒ(r, W_h r̃)] / S`` — the mentor's loss CE_p + KL̄(q ‖ p)/S +
+    MSĒ/S plus the mentee's CE_g + KL̄(p ‖ q)/S + MSĒ/S, KL̄ averaged over |b|·C elements and MSĒ over |b|·d (PyTorch's
+    default "mean" reductions, as HtFLlib). Nothing is detached by default, not even S (HtFLlib and the authors);
+    ``detach_peers``: S and, in each model's own terms, the peer's distribution and features are constants."""
+    ce_p, ce_g = F.cross_entropy(mentor_logits, labels), F.cross_entropy(mentee_logits, labels)
+    log_p, log_q = F.log_softmax(mentor_logits, dim=1), F.log_softmax(mentee_logits, dim=1)
+    target_q, target_p = (log_q.detach(), log_p.detach()) if detach_peers else (log_q, log_p)
+    elements = mentor_logits.shape[0] * mentor_logits.shape[1]
+    kl_q_p = F.kl_div(log_p, target_q, reduction="sum", log_target=True) / elements  # KL(mentee ‖ mentor)
+    kl_p_q = F.kl_div(log_q, target_p, reduction="sum", log_target=True) / elements  # KL(mentor ‖ mentee)
+    r, mapped = mentor_features, mapped_mentee_features
+    if detach_peers:  # the mentor's copy pulls r towards a constant W_h r̃, the mentee's W_h r̃ towards a constant r
+        hidden = F.mse_loss(r, mapped.detach()) + F.mse_loss(r.detach(), mapped)
+    else:  # the same expression in both losses (K2)
+        hidden = 2.0 * F.mse_loss(r, mapped)
+    scale = (ce_p + ce_g).detach() if detach_peers else ce_p + ce_g
+    return ce_p + ce_g + (kl_q_p + kl_p_q + hidden) / scale

@@ -265,6 +265,7 @@ class ClientContext:
     # A reused worker of the shared model (``Exchange.shared_model``: FML's meme), separate from ``model`` even
     # where the architectures are the same; load its weights with set_flat. None for other methods.
     shared_model: torch.nn.Module | None = None
+    shared_initial: torch.Tensor | None = None  # its seeded initial weights (flat), as the server's
     # The run seed: what a client draws once for the whole run (FedMRL's initial projector) comes from
     # make_generator(seed, TAG, 0, cid), the same in every round, process and resume.
     seed: int = 0
@@ -331,6 +332,8 @@ class ServerContext:
     feature_dim: int = 0
     # The shared model's seeded initial weights (flat), where the method declares ``Exchange.shared_model``.
     shared_initial: torch.Tensor | None = None
+    # The entries of its flat vector in order, (name, shape, is a parameter) (FedKD's per-parameter SVD on the server).
+    shared_model_shapes: tuple[tuple[str, tuple[int, ...], bool], ...] | None = None
     # The round's aggregate ŵ as a flat vector, set by FedAvg-family aggregation before any server refiner
     # changes the model (FedFTG, FedDF, DaFKD): the engine evaluates it to record what the server's own step
     # did to accuracy and to tell which step threw a collapsed round to chance (issue 61). Transient: the

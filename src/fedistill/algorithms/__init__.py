@@ -15,6 +15,7 @@ from . import (  # noqa: F401
     fedgh,
     fedgkt,
     fedict,
+    fedkd,
     fedlmd,
     fedmrl,
     fednova,

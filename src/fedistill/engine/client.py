@@ -63,6 +63,7 @@ class ClientRuntime:
         # The shared model beside each client's own (Exchange.shared_model: FML's meme): one more reused worker,
         # apart from the architecture workers even where its architecture is one of theirs.
         self.shared_worker = build_shared_model(cfg, dataset, self.algorithm) if exchange_of(self.algorithm).shared_model else None
+        self.shared_initial = get_flat(self.shared_worker) if self.shared_worker is not None else None
 
     def _uses(self, name: str) -> bool:
         return any(self.architecture(cid) == name for cid in self.train_indices)
@@ -95,6 +96,7 @@ class ClientRuntime:
             precision=self.cfg.run.precision,
             initial_weights=self.initial_weights_of[name],
             shared_model=self.shared_worker,
+            shared_initial=self.shared_initial,
             seed=self.cfg.seed,
             round=rnd,
             state_dtype=self.cfg.run.client_state_dtype,

@@ -28,6 +28,7 @@ FEDTGP = 11  # FedTGP's prototype generator (initial weights) and the round's or
 LG_FEDAVG = 12  # LG-FedAvg's initial global head
 SHARED_MODEL = 13  # the initial weights of the shared model beside the clients' own (Exchange.shared_model: FML's meme)
 FEDMRL = 14  # FedMRL's per-client initial projector P_k^0 (round coordinate 0)
+FEDKD = 15  # FedKD's per-client initial hidden map W_h (round coordinate 0)
 
 
 def derive_seed(seed: int, *coords: int) -> int:

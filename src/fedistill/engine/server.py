@@ -141,6 +141,7 @@ class ServerRuntime:
         # What one client's weights would cost per round (down + up) for each architecture: the reference
         # of the communication ratio (experiments-fedict.md §6, "FedAvg-type: 8·|W|").
         self.weight_exchange_bytes = {name: 2 * 4 * num_flat(model) for name, model in client_models.items()}
+        shared = self._shared_model(cfg, dataset)
         self.server = ServerContext(
             model=self._server_model(cfg, dataset, client_models),
             state={},
@@ -158,7 +159,8 @@ class ServerRuntime:
             input_mean=tuple(dataset.mean),
             input_std=tuple(dataset.std),
             feature_dim=common_feature_dim(self.exchange, client_models),
-            shared_initial=self._shared_initial(cfg, dataset),
+            shared_initial=shared[0],
+            shared_model_shapes=shared[1],
         )
         self.state = RunState()
         self._store_ready = False
@@ -167,12 +169,16 @@ class ServerRuntime:
         self.next_row_marks: dict[str, Any] = {}
         self.algorithm.init_server(self.server)
 
-    def _shared_initial(self, cfg: Config, dataset: Dataset) -> torch.Tensor | None:
-        """The shared model's seeded initial weights where the method trains one beside the clients' own
-        (Exchange.shared_model), from its own stream: the clients' workers of it are built from the same."""
+    def _shared_model(self, cfg: Config, dataset: Dataset) -> tuple[torch.Tensor | None, tuple | None]:
+        """The shared model's seeded initial weights (flat) and its parameters' (name, shape), where the method
+        trains one beside the clients' own (Exchange.shared_model), from its own stream: the clients' workers of
+        it are built from the same."""
         if not self.exchange.shared_model:
-            return None
-        return get_flat(build_shared_model(cfg, dataset, self.algorithm))
+            return None, None
+        model = build_shared_model(cfg, dataset, self.algorithm)
+        parameters = dict(model.named_parameters())
+        entries = [(name, tuple(t.shape), name in parameters) for name, t in model.state_dict().items() if t.is_floating_point()]
+        return get_flat(model), tuple(entries)
 
     def _server_model(self, cfg: Config, dataset: Dataset, client_models: dict[str, torch.nn.Module]) -> torch.nn.Module:
         """The global model; for knowledge exchange, ``model.server`` on the clients' feature maps; for a method
