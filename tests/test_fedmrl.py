@@ -128,9 +128,19 @@ def test_three_architectures_bytes_and_the_fused_accuracy(digits):
         assert history[-1]["personal_accuracies"] == pytest.approx(accuracies)
 
 
+def test_s_defaults_to_128_capped_by_the_narrowest_private_feature(digits):
+    """Unset, s is HtFLlib's 128, or the narrowest private feature where that is narrower: 64 on the digit models,
+    so the default shared model (the first member, digits_cnn, 64 wide without a feature_dim option) fits."""
+    sim = Simulation(hetero_config("fedmrl", clients=THREE, rounds=1), digits)
+    assert sim.client_runtime.algorithm._s == 64 and sim.client_runtime.shared_worker.feature_dim == 64
+    assert sim.run()[-1]["bytes_up"] > 0
+    wide = Simulation(hetero_config("fedmrl", clients=["ht_mlp"], rounds=1), digits)
+    assert wide.client_runtime.shared_worker.feature_dim == 128  # ht_mlp is 512 wide: HtFLlib's s
+
+
 def test_assignments_it_cannot_train_are_refused_in_one_line(digits):
     with pytest.raises(ConfigError, match="at least as wide"):  # s = 128 > the private models' 64
-        Simulation(hetero_config("fedmrl", clients=THREE, **{"model.shared": "ht_mlp"}), digits)
+        Simulation(hetero_config("fedmrl", clients=THREE, **{"model.shared": "ht_mlp", "algorithm.sub_feature_dim": 128}), digits)
     with pytest.raises(ConfigError, match="16-wide feature"):  # digits_cnn has no feature_dim option
         Simulation(hetero_config("fedmrl", clients=THREE, **{"algorithm.sub_feature_dim": 16}), digits)
 

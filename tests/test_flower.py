@@ -665,7 +665,7 @@ def test_fake_grid_federated_distillation_equals_the_simulation(tmp_path, keep_t
         ("fedtgp", ["digits_cnn", "resnet8", "logistic"]),  # prototypes up, the server generator's prototypes down
         ("lg_fedavg", ["digits_cnn", "resnet8", "logistic"]),  # a head and n_k up, the averaged head down
         ("fml", ["digits_cnn", "resnet8", "logistic"]),  # the meme both ways, the private models in context.state
-        ({"name": "fedmrl", "sub_feature_dim": 64}, ["digits_cnn", "resnet8", "logistic"]),  # the shared small model both ways
+        ("fedmrl", ["digits_cnn", "resnet8", "logistic"]),  # the shared small model both ways, fused on the clients
         ("fedkd", ["digits_cnn", "resnet8", "logistic"]),  # the mentee's SVD factors both ways (empty ones at rank 0)
     ],
 )

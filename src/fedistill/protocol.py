@@ -394,9 +394,10 @@ class Algorithm:
         refuses the assignment with it in one line before any work (FedMRL: a private feature narrower than s)."""
         return None
 
-    def shared_model_options(self) -> dict[str, Any]:
+    def shared_model_options(self, client_models: Mapping[str, torch.nn.Module]) -> dict[str, Any]:
         """Options the shared model is built with where the method declares ``Exchange.shared_model`` and the
-        model takes them (FedMRL's ``{"feature_dim": s}``); the engine refuses one that cannot have them."""
+        model takes them (FedMRL's ``{"feature_dim": s}``), given one built model per client architecture; the
+        engine refuses one that cannot have them."""
         return {}
 
     def init_server(self, server: ServerContext) -> None:

@@ -43,8 +43,14 @@ SAMPLES_KEY = "num_samples"  # the upload's n_k, with weighting="samples"
 PROJECTOR_KEY = "projector"  # client state with keep_projector: the trained P_k (weight then bias)
 
 
+HTFLLIB_SUB_FEATURE_DIM = 128  # HtFLlib's -sfd
+
+
 class FedMRLParams(AlgorithmParams):
-    sub_feature_dim: int = Field(128, ge=1, description="s, the shared model's feature width and the small doll's size (HtFLlib -sfd 128)")
+    sub_feature_dim: int | None = Field(
+        None, ge=1, description="s, the shared model's feature width and the small doll's size; unset: HtFLlib's 128, or "
+        "the narrowest private feature where that is narrower (the 64-wide digit models)"
+    )
     variant: Literal["htfllib", "paper"] = Field(
         "htfllib", description="htfllib: projector reset every round, plain mean, no clipping; paper: the authors' code"
     )
@@ -98,17 +104,27 @@ class FedMRL(HtFLlibClientDefaults, Algorithm):
     def __init__(self, params: FedMRLParams, local: Any) -> None:
         super().__init__(params, local)
         self._projectors: dict[tuple[int, int], nn.Linear] = {}  # one reused worker per shape
+        # s as resolved against the client models (_resolve_s: the engine asks for the shared model's options, on
+        # the server and in every client runtime, before any round)
+        self._s = params.sub_feature_dim or HTFLLIB_SUB_FEATURE_DIM
+
+    def _resolve_s(self, models: Mapping[str, nn.Module]) -> int:
+        """s: as set, or HtFLlib's 128 capped by the narrowest private feature (kept for the client steps)."""
+        widths = [int(getattr(m, "feature_dim", 0)) for m in models.values()]
+        self._s = self.params.sub_feature_dim or min([HTFLLIB_SUB_FEATURE_DIM, *widths])
+        return self._s
 
     def refuse_models(self, models: Mapping[str, nn.Module]) -> str | None:
+        s = self._resolve_s(models)
         narrow = {name: int(getattr(m, "feature_dim", 0)) for name, m in models.items() if not hasattr(m, "extract")
-                  or int(m.feature_dim) < self.params.sub_feature_dim}  # fmt: skip
+                  or int(m.feature_dim) < s}  # fmt: skip
         if narrow:
-            return (f"fuses a {self.params.sub_feature_dim}-wide shared feature into each private one, which must be at "
-                    f"least as wide (card ambiguity 4); got {narrow}: lower algorithm.sub_feature_dim or widen the models")  # fmt: skip
+            return (f"fuses a {s}-wide shared feature into each private one, which must be at least as wide (card "
+                    f"ambiguity 4); got {narrow}: lower algorithm.sub_feature_dim or widen the models")  # fmt: skip
         return None
 
-    def shared_model_options(self) -> dict[str, Any]:
-        return {"feature_dim": self.params.sub_feature_dim}  # (M7)
+    def shared_model_options(self, client_models: Mapping[str, nn.Module]) -> dict[str, Any]:
+        return {"feature_dim": self._resolve_s(client_models)}  # (M7)
 
     # -- server ---------------------------------------------------------------------------------------------
     def init_server(self, server: ServerContext) -> None:
@@ -138,7 +154,7 @@ class FedMRL(HtFLlibClientDefaults, Algorithm):
         private, shared = client.model, client.shared_model
         if shared is None:
             raise ValueError("fedmrl: the engine gave the client no shared model (Exchange.shared_model)")
-        s, d = self.params.sub_feature_dim, int(private.feature_dim)
+        s, d = self._s, int(private.feature_dim)
         if s > d:
             raise ValueError(f"fedmrl: sub_feature_dim s = {s} exceeds the private feature width d = {d} (card ambiguity 4)")
         load_own_model(client)
@@ -162,7 +178,7 @@ class FedMRL(HtFLlibClientDefaults, Algorithm):
             torch.optim.SGD(p.parameters(), lr=info.lr, momentum=local.momentum, weight_decay=local.weight_decay) for p in parts
         ]  # fmt: skip
         loss_sum = torch.zeros((), dtype=torch.float64, device=client.device)
-        seen, s = 0, self.params.sub_feature_dim
+        seen, s = 0, self._s
         for _ in range(local.epochs):
             for x, y in client.data.epoch_batches(client.train_indices, local.batch_size, client.generator):
                 with autocast_context(client.precision, client.device):

@@ -62,7 +62,10 @@ class ClientRuntime:
         self.initial_weights = self.initial_weights_of.get(cfg.model_name())  # = the server's w_g^0
         # The shared model beside each client's own (Exchange.shared_model: FML's meme): one more reused worker,
         # apart from the architecture workers even where its architecture is one of theirs.
-        self.shared_worker = build_shared_model(cfg, dataset, self.algorithm) if exchange_of(self.algorithm).shared_model else None
+        self.shared_worker = None
+        if exchange_of(self.algorithm).shared_model:  # what the method asks of it depends on the client models
+            models = {name: self.worker_for(name) for name in dict.fromkeys(self._architectures)}
+            self.shared_worker = build_shared_model(cfg, dataset, self.algorithm, models)
         self.shared_initial = get_flat(self.shared_worker) if self.shared_worker is not None else None
 
     def _uses(self, name: str) -> bool:

@@ -41,16 +41,16 @@ def build_model_for(
     return model
 
 
-def build_shared_model(cfg: Config, dataset: Dataset, algorithm: Any) -> torch.nn.Module:
+def build_shared_model(cfg: Config, dataset: Dataset, algorithm: Any, client_models: Any) -> torch.nn.Module:
     """The shared model beside the clients' own (``Exchange.shared_model``), from its own seeded stream: the
     architecture ``model.shared`` or the assignment's first member, with the options the method asks of it
-    (``Algorithm.shared_model_options``: FedMRL's feature width s) where the model takes them. Refused in one line
-    where it cannot have them."""
+    (``Algorithm.shared_model_options``: FedMRL's feature width s; ``client_models``: one built model per client
+    architecture) where the model takes them. Refused in one line where it cannot have them."""
     from ..models import model_options
     from .architectures import shared_model_name
 
     name = shared_model_name(cfg)
-    asked = algorithm.shared_model_options()
+    asked = algorithm.shared_model_options(client_models)
     accepted = model_options(name)
     kwargs = {**cfg.model.kwargs_for(name, cfg.model_name()), **{k: v for k, v in asked.items() if k in accepted}}
     model = build_model_for(cfg, dataset, (INIT, SHARED_MODEL), name, kwargs=kwargs)

@@ -141,7 +141,7 @@ class ServerRuntime:
         # What one client's weights would cost per round (down + up) for each architecture: the reference
         # of the communication ratio (experiments-fedict.md §6, "FedAvg-type: 8·|W|").
         self.weight_exchange_bytes = {name: 2 * 4 * num_flat(model) for name, model in client_models.items()}
-        shared = self._shared_model(cfg, dataset)
+        shared = self._shared_model(cfg, dataset, client_models)
         self.server = ServerContext(
             model=self._server_model(cfg, dataset, client_models),
             state={},
@@ -169,13 +169,13 @@ class ServerRuntime:
         self.next_row_marks: dict[str, Any] = {}
         self.algorithm.init_server(self.server)
 
-    def _shared_model(self, cfg: Config, dataset: Dataset) -> tuple[torch.Tensor | None, tuple | None]:
+    def _shared_model(self, cfg: Config, dataset: Dataset, client_models: dict) -> tuple[torch.Tensor | None, tuple | None]:
         """The shared model's seeded initial weights (flat) and its parameters' (name, shape), where the method
         trains one beside the clients' own (Exchange.shared_model), from its own stream: the clients' workers of
         it are built from the same."""
         if not self.exchange.shared_model:
             return None, None
-        model = build_shared_model(cfg, dataset, self.algorithm)
+        model = build_shared_model(cfg, dataset, self.algorithm, client_models)
         parameters = dict(model.named_parameters())
         entries = [(name, tuple(t.shape), name in parameters) for name, t in model.state_dict().items() if t.is_floating_point()]
         return get_flat(model), tuple(entries)
