@@ -1,6 +1,6 @@
 """Our side of the comparison with HtFLlib's own code (issue 63, item 6; protocol in spec/experiments-hetero.md §5).
 
-Runs Local, FD, FedProto, FedGH and FedTGP on HtFLlib's MNIST 20-client split read from its own files
+Runs Local, FD, FedProto, FedGH and FedTGP (or issue 64's FML, LG-FedAvg, FedKD, FedMRL) on HtFLlib's MNIST 20-client split read from its own files
 (``npz_federation``), every client in every round, each method on its HtFLlib defaults (SGD 0.01 without momentum,
 batch 10, one local epoch, the method's λ and server settings), client k training member k mod M of the
 assignment, one thread in this process, fp32. Per method and seed it records, after every round, the pooled
@@ -36,6 +36,8 @@ import time
 from pathlib import Path
 
 METHODS = ["fd", "fedproto", "fedgh", "fedtgp", "local_only"]
+# issue 64's half (a shared part beside a private model): --methods fml,lg_fedavg,fedkd,fedmrl
+SHARED_PART_METHODS = ["fml", "lg_fedavg", "fedkd", "fedmrl"]
 # HtFLlib's FedAvgCNN (dim 1024 for 28x28), ResNet-4 and ResNet-6, one-channel stems: the reduced protocol's
 # assignment (the reference's HtFE-mnist-3, built from its own code with the same members in the same order)
 ASSIGNMENT = ["ht_fedavgcnn", "ht_resnet4", "ht_resnet6"]
@@ -44,7 +46,7 @@ ASSIGNMENT = ["ht_fedavgcnn", "ht_resnet4", "ht_resnet6"]
 # our method (with its card settings) -> the reference's log name (HtFLlib's -algo, and which tree: FDsoftmax is FD
 # with the soft target of HtFLlib before its commit ca3e29a, the local edit 8 of RESULTS)
 REFERENCE_LOGS = {"fd": "FDsoftmax", "fd:teacher=logits": "FDlogits", "fedproto": "FedProto", "fedgh": "FedGH",
-                  "fedtgp": "FedTGP"}  # fmt: skip
+                  "fedtgp": "FedTGP", "fml": "FML", "lg_fedavg": "LG-FedAvg", "fedkd": "FedKD", "fedmrl": "FedMRL"}  # fmt: skip
 
 
 def parse_method(spec: str) -> dict:

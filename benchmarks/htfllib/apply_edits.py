@@ -2,7 +2,8 @@
 
 HtFLlib is the reference, run outside the project and never vendored: clone it, then from its root
 
-    python path/to/benchmarks/htfllib/apply_edits.py            # edits 1-7 (FedProto, FedGH, FedTGP, FD at HEAD)
+    python path/to/benchmarks/htfllib/apply_edits.py            # edits 1-7 (FedProto, FedGH, FedTGP, FD at HEAD,
+                                                                # FML, LG-FedAvg, FedKD, FedMRL)
     python path/to/benchmarks/htfllib/apply_edits.py --fd-soft  # also edit 8, in a second clone, for FD
 
 Every edit asserts that its anchor (one line of HtFLlib's code) is present exactly once, so a moved upstream fails
@@ -28,12 +29,12 @@ edit("flcore/trainmodel/models.py", "import torchvision\n",
 edit("flcore/trainmodel/resnet.py", "        bn_block_num = 4, \n    ) -> None:",
      "        bn_block_num = 4, \n        in_channels: int = 3,  # edit 2\n    ) -> None:")
 edit("flcore/trainmodel/resnet.py", "nn.Conv2d(3, self.inplanes,", "nn.Conv2d(in_channels, self.inplanes,")
-# 3. main.py: only the four methods' servers imported (the others pull in StyleGAN/diffusers code); the
+# 3. main.py: only the compared methods' servers imported (the others pull in StyleGAN/diffusers code); the
 #    one-channel 28x28 group; a -seed flag seeding torch, numpy and random; one torch thread.
 main = (S / "main.py").read_text()
-main = re.sub(r"from flcore\.servers\.server(gen|lg|fml|kd|ktl_\w+|mrl|l2g_\w+|local) import .*\n", "", main)
-for name in ["Local", "FedGen", "LG_FedAvg", "FML", "FedKD", "FedKTL_stylegan_xl", "FedKTL_stylegan_3",
-             "FedKTL_stable_diffusion", "FedMRL", "FedL2G_feat", "FedL2G_logit"]:
+main = re.sub(r"from flcore\.servers\.server(gen|ktl_\w+|l2g_\w+|local) import .*\n", "", main)
+for name in ["Local", "FedGen", "FedKTL_stylegan_xl", "FedKTL_stylegan_3", "FedKTL_stable_diffusion", "FedL2G_feat",
+             "FedL2G_logit"]:
     main = main.replace(f"server = {name}(args, i)", "raise NotImplementedError  # edit 3")
 main = main.replace('        if args.model_family == "HtFE-img-2":',
                     '        if args.model_family == "HtFE-mnist-3":  # edit 3\n'
@@ -58,7 +59,7 @@ edit("flcore/servers/serverbase.py", '        print("Averaged Test Accuracy: {:.
      '"client_mean": float(np.mean(accs))}), flush=True)  # edit 5\n')
 # 6. The loop evaluates before training, rounds 0..global_rounds, and trained once more after the last
 #    evaluation: stop there (the same evaluated rows, one round less of work).
-for server in ["serverfd", "serverproto", "servergh", "servertgp"]:
+for server in ["serverfd", "serverproto", "servergh", "servertgp", "serverfml", "serverlg", "serverkd", "servermrl"]:
     edit(f"flcore/servers/{server}.py", "                self.evaluate()\n",
          "                self.evaluate()\n            if i == self.global_rounds:\n                break  # edit 6\n")
 print("edits applied")

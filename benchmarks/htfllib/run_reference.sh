@@ -11,7 +11,11 @@ case $ALGO in  # each method's flags of HtFLlib's pre-tuned system/total.sh (spe
   FedProto) EXTRA="-lam 10";;
   FedGH) EXTRA="-slr 0.01 -se 1";;
   FedTGP) EXTRA="-lam 10 -mart 100 -se 100";;
-  *) echo "run_reference.sh: ALGO must be one of FD, FedProto, FedGH, FedTGP, not '$ALGO'" >&2; exit 2;;
+  FML) EXTRA="-al 0.5 -bt 0.5";;
+  LG-FedAvg) EXTRA="";;
+  FedKD) EXTRA="-mlr 0.01 -Ts 0.95 -Te 0.98";;
+  FedMRL) EXTRA="-sfd 128";;
+  *) echo "run_reference.sh: ALGO must be one of FD, FedProto, FedGH, FedTGP, FML, LG-FedAvg, FedKD, FedMRL, not '$ALGO'" >&2; exit 2;;
 esac
 cd "$ROOT/system"
 OMP_NUM_THREADS=1 "$PYTHON" -u main.py -algo "$ALGO" $BASE $EXTRA > "$LOG" 2>&1 || echo "EXIT $?" >> "$LOG"
