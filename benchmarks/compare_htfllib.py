@@ -9,7 +9,7 @@ seconds per round and the bytes. Results go to ``--out`` (JSON) as each run fini
 continues where it stopped; the summary table (mean ± std over seeds) is printed at the end.
 
     python benchmarks/compare_htfllib.py --data-dir path/to/HtFLlib/dataset/mnist \
-        [--rounds 6] [--seeds 0 1 2] [--methods fd,fedproto,fedgh,fedtgp,local_only] [--out FILE]
+        [--rounds 6] [--seeds 0 1 2] [--methods fd,fedproto,fedgh,fedtgp,local_only] [--batch-order sequential] [--out FILE]
 
 A method may carry settings of its card, ``--methods "fd:teacher=logits"`` (HtFLlib's current FD target); the
 results are keyed by that whole name.
@@ -61,8 +61,9 @@ def parse_method(spec: str) -> dict:
     return {"name": name, **params}
 
 
-def config_tree(method: str, data_dir: str, rounds: int, seed: int) -> dict:
+def config_tree(method: str, data_dir: str, rounds: int, seed: int, batch_order: str = "shuffled") -> dict:
     return {
+        "local": {"batch_order": batch_order},
         "algorithm": parse_method(method),
         "dataset": {"name": "npz_federation", "data_dir": data_dir},
         "model": {"clients": list(ASSIGNMENT)},
@@ -74,7 +75,7 @@ def config_tree(method: str, data_dir: str, rounds: int, seed: int) -> dict:
     }
 
 
-def run_one(method: str, data_dir: str, rounds: int, seed: int) -> dict:
+def run_one(method: str, data_dir: str, rounds: int, seed: int, batch_order: str = "shuffled") -> dict:
     import torch
 
     from fedistill.config import build_config
@@ -83,7 +84,7 @@ def run_one(method: str, data_dir: str, rounds: int, seed: int) -> dict:
     from fedistill.simulation import Simulation
 
     torch.set_num_threads(1)
-    cfg = build_config(config_tree(method, data_dir, rounds, seed))
+    cfg = build_config(config_tree(method, data_dir, rounds, seed, batch_order))
     sim = Simulation(cfg, load_dataset_for(cfg))
     rows = []
     try:
@@ -207,6 +208,8 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--methods", default=",".join(METHODS), help="comma-separated; with settings, separate by ';'")
     parser.add_argument("--out", default="benchmarks/out/htfllib-comparison.json")
+    parser.add_argument("--batch-order", choices=["shuffled", "sequential"], default="shuffled",
+                        help="sequential: HtFLlib's order (stored order, last partial batch dropped) for a like-for-like run")
     parser.add_argument("--reference-logs", type=Path, help="the reference runs' logs (<NAME>_seed<S>.log)")
     parser.add_argument("--table-only", action="store_true", help="run nothing; print the tables of --out")
     args = parser.parse_args()
@@ -217,14 +220,16 @@ def main() -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     results = json.loads(out.read_text()) if out.exists() else {}
-    if results.get("_protocol", {}).get("rounds", args.rounds) != args.rounds:
-        raise SystemExit(f"{out} holds runs of another number of rounds: name another --out")
-    results["_protocol"] = {"rounds": args.rounds, "assignment": ASSIGNMENT}
+    protocol = {"rounds": args.rounds, "assignment": ASSIGNMENT, "batch_order": args.batch_order}
+    held = results.get("_protocol", {})
+    if any(held.get(key, protocol[key]) != protocol[key] for key in ("rounds", "batch_order")):
+        raise SystemExit(f"{out} holds runs of another protocol ({held}): name another --out")
+    results["_protocol"] = protocol
     for method in args.methods.split(";" if ":" in args.methods else ","):
         for seed in args.seeds:
             if str(seed) in results.get(method, {}):
                 continue  # finished in an earlier invocation
-            results.setdefault(method, {})[str(seed)] = run_one(method, args.data_dir, args.rounds, seed)
+            results.setdefault(method, {})[str(seed)] = run_one(method, args.data_dir, args.rounds, seed, args.batch_order)
             out.write_text(json.dumps(results, indent=1))
     print_tables(out, args.reference_logs)
 

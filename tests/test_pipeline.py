@@ -58,6 +58,20 @@ def test_batches_cover_the_index_set_once_per_epoch_and_keep_the_last_partial_ba
     assert sorted(labels.tolist()) == sorted(ds.train_y[idx].tolist())
 
 
+def test_sequential_batches_walk_the_indices_in_order_and_drop_the_last_partial_batch():
+    """local.batch_order sequential (HtFLlib's DataLoader(shuffle=False, drop_last=True)): 9 indices in batches of
+    4 give the first 8 in their order, and the same in every epoch whatever the generator; epoch_columns agrees."""
+    ds = _dataset(n=23)
+    pipe = TensorPipeline(ds, sequential_batches=True)
+    idx = torch.tensor([13, 4, 5, 9, 11, 12, 1, 20, 22])
+    for seed in (1, 2):
+        batches = list(pipe.epoch_batches(idx, 4, torch.Generator().manual_seed(seed)))
+        assert [b[1].tolist() for b in batches] == [ds.train_y[idx[:4]].tolist(), ds.train_y[idx[4:8]].tolist()]
+    columns = list(pipe.epoch_columns(idx, 4, torch.Generator().manual_seed(1)))
+    assert [c[0].tolist() for c in columns] == [idx[:4].tolist(), idx[4:8].tolist()]
+    assert list(pipe.epoch_batches(idx, 10, torch.Generator())) == []  # fewer samples than a batch: no step
+
+
 def test_augmentation_is_reproducible_from_the_generator():
     ds = _dataset()
     pipe = TensorPipeline(ds, AugmentSpec.from_names(["crop", "flip", "cutout"], cutout=4))

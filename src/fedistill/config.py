@@ -227,6 +227,12 @@ class LocalConfig(_Section):
     lr_decay: float = Field(0.99, gt=0, le=1, description="per-round factor γ: η_t = η_0 γ^(t-1)")
     momentum: float = Field(0.9, ge=0, lt=1)
     weight_decay: float = Field(1e-5, ge=0)
+    batch_order: Literal["shuffled", "sequential"] = Field(
+        "shuffled",
+        description="shuffled: a fresh permutation per (seed, round, client) epoch, the last partial batch kept; "
+        "sequential: the client's samples in their stored order, the last partial batch dropped (HtFLlib's "
+        "DataLoader(shuffle=False, drop_last=True): for like-for-like checks against its code)",
+    )
 
 
 class EvalConfig(_Section):

@@ -110,8 +110,11 @@ class TensorPipeline:
         augment: AugmentSpec = AugmentSpec(),
         device: torch.device | str = "cpu",
         channels_last: bool = False,
+        sequential_batches: bool = False,
     ) -> None:
         self.dataset = dataset
+        # local.batch_order "sequential": epochs walk the indices in their order and drop the last partial batch
+        self.sequential_batches = sequential_batches
         self.augment = augment
         self.device = torch.device(device)
         self.channels_last = channels_last
@@ -159,22 +162,31 @@ class TensorPipeline:
     def epoch_batches(
         self, indices: torch.Tensor, batch_size: int, generator: torch.Generator
     ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """One shuffled pass over ``indices`` in batches of ``batch_size``; the last partial batch is kept."""
+        """One shuffled pass over ``indices`` in batches of ``batch_size``; the last partial batch is kept (with
+        ``sequential_batches``: the indices in their order, the last partial batch dropped)."""
         if self.on_host:
-            order = indices[torch.randperm(indices.numel(), generator=generator)]
-            for start in range(0, order.numel(), batch_size):
+            order, stop = self.epoch_order(indices, batch_size, generator)
+            for start in range(0, stop, batch_size):
                 yield self.train_batch(order[start : start + batch_size], generator)
             return
         # On an accelerator the epoch's indices and augmentation draws go over in one copy (epoch_columns).
         for cols in self.epoch_columns(indices, batch_size, generator):
             yield self.batch_from_columns(cols)
 
+    def epoch_order(self, indices: torch.Tensor, batch_size: int, generator: torch.Generator) -> tuple[torch.Tensor, int]:
+        """An epoch's sample order and where its batches stop: a permutation drawn from ``generator`` and the end
+        (shuffled), or the indices as they are and the end of the last full batch (sequential)."""
+        if self.sequential_batches:
+            return indices, (indices.numel() // batch_size) * batch_size
+        return indices[torch.randperm(indices.numel(), generator=generator)], indices.numel()
+
     def epoch_columns(self, indices: torch.Tensor, batch_size: int, generator: torch.Generator) -> Iterator[torch.Tensor]:
         """:meth:`epoch_batches` as index batches: per batch a ``(rows, m)`` tensor on the pipeline's device holding
         the sample indices and every random draw of their augmentation (drawn in the CPU path's order, so the same
         numbers), which :meth:`batch_from_columns` turns into the same ``(x, y)``. A captured CUDA graph takes the
         columns as its one input and gathers, augments and normalises inside (engine/cuda_graphs.py)."""
-        order = indices[torch.randperm(indices.numel(), generator=generator)]
+        order, stop = self.epoch_order(indices, batch_size, generator)
+        order = order[:stop]
         aug = self.augment
         h, w = self._train_x.shape[2], self._train_x.shape[3]
         rows: list[list[torch.Tensor]] = [[order]]  # row 0: the order; then one row per random quantity

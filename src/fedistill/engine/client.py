@@ -50,8 +50,9 @@ class ClientRuntime:
         self.test_indices = test_indices
         self.algorithm = algorithm_factory(cfg)
         self.pipeline = TensorPipeline(
-            dataset, AugmentSpec.from_names(cfg.augmentations()), device=self.device, channels_last=cfg.run.channels_last
-        )
+            dataset, AugmentSpec.from_names(cfg.augmentations()), device=self.device, channels_last=cfg.run.channels_last,
+            sequential_batches=cfg.local.batch_order == "sequential",
+        )  # fmt: skip
         self.dataset = dataset
         self._architectures = client_architectures(cfg, cfg.partition.num_clients)
         # One reused worker module per architecture (not per client), made on first use; a client's own
