@@ -18,6 +18,7 @@ import fedistill.algorithms  # noqa: F401  (registers algorithms)
 import fedistill.models  # noqa: F401
 from fedistill.config import build_config
 from fedistill.data.dataset import Dataset
+from fedistill.models.flat import set_flat
 
 
 def _digits() -> Dataset:
@@ -214,3 +215,38 @@ def child_processes(pid: int) -> set[int]:
             if int(fields[1]) == pid and fields[0] != "Z":
                 found.add(int(entry.name))
     return found
+
+
+def assert_resume_bitwise(dataset, tmp_path, algorithm, clients, state_key, **overrides):
+    """A run of 3 rounds against one stopped after 2 and resumed: the same rows (timings aside), the same own
+    models of the clients and the same ``server.state[state_key]``, bit for bit."""
+    from fedistill.simulation import Simulation
+
+    def run(rounds, run_dir, resume=False):
+        sim = Simulation(hetero_config(algorithm, clients=clients, rounds=rounds, **overrides), dataset, run_dir=tmp_path / run_dir)
+        return sim, sim.run(resume=resume)
+
+    straight, full = run(3, "a")
+    run(2, "b")
+    resumed, history = run(3, "b", resume=True)
+    strip = lambda h: [{k: v for k, v in r.items() if not k.endswith("seconds")} for r in h]  # noqa: E731
+    assert strip(history) == strip(full)
+    a, b = own_models(straight), own_models(resumed)
+    assert a.keys() == b.keys() and all(torch.equal(a[cid], b[cid]) for cid in a)
+    assert torch.equal(straight.server.state[state_key], resumed.server.state[state_key])
+
+
+def own_model_accuracies(sim, architectures, prepare=None):
+    """Each client's accuracy (%) on its own test split with its own model from the client store, after
+    ``prepare(cid, model)`` (e.g. a global head put in place); what a method's personal accuracies must equal."""
+    accuracies = []
+    for cid, name in enumerate(architectures):
+        model = sim.client_runtime.worker_for(name)
+        set_flat(model, own_models(sim)[cid])
+        if prepare is not None:
+            prepare(cid, model)
+        model.eval()
+        with torch.no_grad():
+            x, y = next(sim.client_runtime.pipeline.test_batches_of(sim.federation.test_indices[cid], 10_000))
+            accuracies.append(100.0 * float((model(x).argmax(1) == y).double().mean()))
+    return accuracies

@@ -9,7 +9,7 @@ import math
 
 import pytest
 import torch
-from conftest import hetero_config, own_models
+from conftest import assert_resume_bitwise, hetero_config, own_model_accuracies
 
 from fedistill.algorithms.build import make_algorithm
 from fedistill.algorithms.fedkd import PREFIX, compress, compressed_items, reconstruct, svd_rank
@@ -176,15 +176,7 @@ def test_three_architectures_bytes_from_the_ranks_and_the_mentor_evaluated(digit
                 total += 4 * slices * r * (m + n + 1)
         assert row["bytes_up"] == total
     assert history[0]["bytes_down"] == 3 * 4 * sum(p.numel() for p in mentee.parameters())
-    fed, accuracies = sim.federation, []
-    for cid, name in enumerate(THREE):
-        model = sim.client_runtime.worker_for(name)
-        set_flat(model, own_models(sim)[cid])
-        model.eval()
-        with torch.no_grad():
-            x, y = next(sim.client_runtime.pipeline.test_batches_of(fed.test_indices[cid], 10_000))
-            accuracies.append(100.0 * float((model(x).argmax(1) == y).double().mean()))
-    assert history[-1]["personal_accuracies"] == pytest.approx(accuracies)
+    assert history[-1]["personal_accuracies"] == pytest.approx(own_model_accuracies(sim, THREE))
 
 
 def test_updates_with_no_movement_leave_the_mentee_and_parameters_recompress_it(digits):
@@ -209,14 +201,4 @@ def test_updates_with_no_movement_leave_the_mentee_and_parameters_recompress_it(
 
 
 def test_resume_after_a_kill_is_bitwise(digits, tmp_path):
-    settings = {"algorithm.schedule_rounds": 3}
-    straight = Simulation(hetero_config("fedkd", clients=THREE, rounds=3, **settings), digits, run_dir=tmp_path / "a")
-    full = straight.run()
-    Simulation(hetero_config("fedkd", clients=THREE, rounds=2, **settings), digits, run_dir=tmp_path / "b").run()
-    resumed = Simulation(hetero_config("fedkd", clients=THREE, rounds=3, **settings), digits, run_dir=tmp_path / "b")
-    history = resumed.run(resume=True)
-    strip = lambda h: [{k: v for k, v in r.items() if not k.endswith("seconds")} for r in h]  # noqa: E731
-    assert strip(history) == strip(full)
-    a, b = own_models(straight), own_models(resumed)
-    assert all(torch.equal(a[cid], b[cid]) for cid in range(3))
-    assert torch.equal(straight.server.state["mentee"], resumed.server.state["mentee"])
+    assert_resume_bitwise(digits, tmp_path, "fedkd", THREE, "mentee", **{"algorithm.schedule_rounds": 3})

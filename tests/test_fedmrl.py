@@ -9,7 +9,7 @@ import math
 
 import pytest
 import torch
-from conftest import hetero_config, own_models
+from conftest import assert_resume_bitwise, hetero_config, own_model_accuracies, own_models
 from torch import nn
 
 from fedistill.algorithms.build import make_algorithm
@@ -152,14 +152,4 @@ def test_the_paper_variant():
 
 
 def test_resume_after_a_kill_is_bitwise(digits, tmp_path):
-    settings = {**SMALL, "algorithm.keep_projector": True}
-    straight = Simulation(hetero_config("fedmrl", clients=THREE, rounds=3, **settings), digits, run_dir=tmp_path / "a")
-    full = straight.run()
-    Simulation(hetero_config("fedmrl", clients=THREE, rounds=2, **settings), digits, run_dir=tmp_path / "b").run()
-    resumed = Simulation(hetero_config("fedmrl", clients=THREE, rounds=3, **settings), digits, run_dir=tmp_path / "b")
-    history = resumed.run(resume=True)
-    strip = lambda h: [{k: v for k, v in r.items() if not k.endswith("seconds")} for r in h]  # noqa: E731
-    assert strip(history) == strip(full)
-    a, b = own_models(straight), own_models(resumed)
-    assert all(torch.equal(a[cid], b[cid]) for cid in range(3))
-    assert torch.equal(straight.server.state["shared"], resumed.server.state["shared"])
+    assert_resume_bitwise(digits, tmp_path, "fedmrl", THREE, "shared", **{**SMALL, "algorithm.keep_projector": True})

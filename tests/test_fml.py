@@ -9,13 +9,13 @@ import math
 
 import pytest
 import torch
-from conftest import hetero_config, own_models
+from conftest import assert_resume_bitwise, hetero_config, own_model_accuracies, own_models
 
 from fedistill.algorithms.build import make_algorithm
 from fedistill.config import build_config
 from fedistill.errors import ConfigError
 from fedistill.losses import mutual_learning_losses
-from fedistill.models.flat import get_flat, num_flat, set_flat
+from fedistill.models.flat import num_flat
 from fedistill.protocol import Message, RoundInfo, ServerContext
 from fedistill.simulation import Simulation
 
@@ -120,15 +120,7 @@ def test_three_architectures_the_meme_travels_and_the_private_models_are_evaluat
     assert num_flat(sim.client_runtime.shared_worker) == meme_size
     assert [r["bytes_up"] for r in history] == [3 * 4 * meme_size] * 2
     assert [r["bytes_down"] for r in history] == [3 * 4 * meme_size] * 2
-    fed, accuracies = sim.federation, []
-    for cid, name in enumerate(THREE):
-        model = sim.client_runtime.worker_for(name)
-        set_flat(model, own_models(sim)[cid])
-        model.eval()
-        with torch.no_grad():
-            x, y = next(sim.client_runtime.pipeline.test_batches_of(fed.test_indices[cid], 10_000))
-            accuracies.append(100.0 * float((model(x).argmax(1) == y).double().mean()))
-    assert history[-1]["personal_accuracies"] == pytest.approx(accuracies)
+    assert history[-1]["personal_accuracies"] == pytest.approx(own_model_accuracies(sim, THREE))
 
 
 def test_a_named_shared_model_and_an_unknown_one(digits):
@@ -149,13 +141,4 @@ def test_the_paper_variant_detaches_uses_batchmean_and_does_not_clip():
 
 
 def test_resume_after_a_kill_is_bitwise(digits, tmp_path):
-    straight = Simulation(hetero_config("fml", clients=THREE, rounds=3), digits, run_dir=tmp_path / "a")
-    full = straight.run()
-    Simulation(hetero_config("fml", clients=THREE, rounds=2), digits, run_dir=tmp_path / "b").run()
-    resumed = Simulation(hetero_config("fml", clients=THREE, rounds=3), digits, run_dir=tmp_path / "b")
-    history = resumed.run(resume=True)
-    strip = lambda h: [{k: v for k, v in r.items() if not k.endswith("seconds")} for r in h]  # noqa: E731
-    assert strip(history) == strip(full)
-    a, b = own_models(straight), own_models(resumed)
-    assert all(torch.equal(a[cid], b[cid]) for cid in range(3))
-    assert torch.equal(straight.server.state["meme"], resumed.server.state["meme"])
+    assert_resume_bitwise(digits, tmp_path, "fml", THREE, "meme")

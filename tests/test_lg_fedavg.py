@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import hetero_config, own_models
+from conftest import assert_resume_bitwise, hetero_config, own_model_accuracies, own_models
 
 from fedistill.algorithms.build import make_algorithm
 from fedistill.algorithms.lg_fedavg import get_shared, set_shared
@@ -109,15 +109,7 @@ def test_three_architectures_bytes_and_the_head_accuracy(digits):
     sizes = torch.tensor([len(ix) for ix in fed.train_indices], dtype=torch.float64)
     trained = torch.stack([own_models(sim)[cid][-HEAD:].double() for cid in range(3)])
     torch.testing.assert_close(head.double(), (sizes / sizes.sum()) @ trained, rtol=0, atol=1e-6)
-    accuracies = []
-    for cid, name in enumerate(THREE):
-        model = sim.client_runtime.worker_for(name)
-        set_flat(model, own_models(sim)[cid])
-        set_flat(model.classifier, head)
-        model.eval()
-        with torch.no_grad():
-            x, y = next(sim.client_runtime.pipeline.test_batches_of(fed.test_indices[cid], 10_000))
-            accuracies.append(100.0 * float((model(x).argmax(1) == y).double().mean()))
+    accuracies = own_model_accuracies(sim, THREE, lambda cid, model: set_flat(model.classifier, head))
     assert history[-1]["personal_accuracies"] == pytest.approx(accuracies)
 
 
@@ -139,13 +131,4 @@ def test_the_paper_form_shares_the_top_layers_and_refuses_several_architectures(
 
 
 def test_resume_after_a_kill_is_bitwise(digits, tmp_path):
-    straight = Simulation(hetero_config("lg_fedavg", clients=THREE, rounds=3), digits, run_dir=tmp_path / "a")
-    full = straight.run()
-    Simulation(hetero_config("lg_fedavg", clients=THREE, rounds=2), digits, run_dir=tmp_path / "b").run()
-    resumed = Simulation(hetero_config("lg_fedavg", clients=THREE, rounds=3), digits, run_dir=tmp_path / "b")
-    history = resumed.run(resume=True)
-    strip = lambda h: [{k: v for k, v in r.items() if not k.endswith("seconds")} for r in h]  # noqa: E731
-    assert strip(history) == strip(full)
-    a, b = own_models(straight), own_models(resumed)
-    assert all(torch.equal(a[cid], b[cid]) for cid in range(3))
-    assert torch.equal(straight.server.state["lg_shared"], resumed.server.state["lg_shared"])
+    assert_resume_bitwise(digits, tmp_path, "lg_fedavg", THREE, "lg_shared")

@@ -26,7 +26,6 @@ from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from pydantic import Field
-from torch import nn
 
 from ..class_losses import header_loss
 from ..engine.seeding import FEDGH, make_generator
@@ -38,6 +37,7 @@ from .hetero import (
     PROTOTYPE_UPLOAD,
     HtFLlibClientDefaults,
     eval_class_means,
+    global_head,
     load_own_model,
     sgd_on_rows,
     stacked_uploads,
@@ -69,13 +69,7 @@ class FedGH(HtFLlibClientDefaults, Algorithm):
 
     def __init__(self, params: FedGHParams, local: Any) -> None:
         super().__init__(params, local)
-        self._header = PersistentModule(HEADER_KEY, FEDGH, self._build_header)
-
-    @staticmethod
-    def _build_header(server: ServerContext) -> nn.Module:
-        if server.feature_dim <= 0:
-            raise ValueError("fedgh: the server needs the clients' common feature dimension (ServerContext.feature_dim)")
-        return nn.Linear(server.feature_dim, server.num_classes)
+        self._header = PersistentModule(HEADER_KEY, FEDGH, global_head(self.name))
 
     # -- server ---------------------------------------------------------------------------------------------
     def init_server(self, server: ServerContext) -> None:

@@ -33,13 +33,20 @@ import torch
 from pydantic import Field
 from torch import nn
 
-from ..engine.seeding import FEDKD, make_generator
+from ..engine.seeding import FEDKD
 from ..losses import adaptive_mutual_losses
 from ..models.flat import get_flat, set_flat
 from ..protocol import Exchange, metric_items
 from ..registry import ALGORITHMS
 from .base import Algorithm, AlgorithmParams, ClientContext, Message, RoundInfo, ServerContext
-from .hetero import HTFLLIB_DEFAULTS, keep_own_model, load_own_model
+from .hetero import (
+    HTFLLIB_DEFAULTS,
+    init_shared_state,
+    keep_own_model,
+    load_own_model,
+    run_long_linear_init,
+    train_parts_jointly,
+)
 from .local import autocast_context
 
 PREFIX = "mentee."  # message keys: mentee.<parameter> (raw) or mentee.<parameter>.U / .S / .V (factors)
@@ -149,10 +156,7 @@ class FedKD(Algorithm):
 
     # -- server ---------------------------------------------------------------------------------------------
     def init_server(self, server: ServerContext) -> None:
-        if MENTEE_KEY not in server.state:
-            if server.shared_initial is None:
-                raise ValueError("fedkd: the engine gave the server no shared model (Exchange.shared_model)")
-            server.state[MENTEE_KEY] = server.shared_initial.clone()
+        init_shared_state(server, MENTEE_KEY, self.name)
 
     def broadcast(self, server: ServerContext, info: RoundInfo, cid: int) -> Message:
         sent = server.state.get(SENT_KEY)
@@ -225,10 +229,7 @@ class FedKD(Algorithm):
         if w_h is None:
             w_h = self._w_h[(mentee_dim, mentor_dim)] = nn.Linear(mentee_dim, mentor_dim, bias=False).to(client.device)
         stored = client.state.get(W_H_KEY)
-        if stored is None:
-            g = make_generator(client.seed, FEDKD, 0, client.cid)
-            stored = (torch.rand(mentor_dim * mentee_dim, generator=g) * 2 - 1) * mentee_dim**-0.5
-        set_flat(w_h, stored)
+        set_flat(w_h, stored if stored is not None else run_long_linear_init(client, FEDKD, mentor_dim, mentee_dim, bias=False))
         return w_h
 
     def local_update(self, client: ClientContext, info: RoundInfo, msg: Message) -> Message:
@@ -238,36 +239,20 @@ class FedKD(Algorithm):
         start_flat = get_flat(mentee)
         compress_what, hidden, clip, _ = self.params.resolved()
         w_h = self._hidden_map(client, int(mentee.feature_dim), int(mentor.feature_dim)) if hidden == "learned" else None
-        parts = [mentor, mentee] + ([w_h] if w_h is not None else [])
-        rates = [info.lr, self.params.mentee_lr, info.lr]
-        local = self.local
-        optimizers = [
-            torch.optim.SGD(part.parameters(), lr=rate, momentum=local.momentum, weight_decay=local.weight_decay)
-            for part, rate in zip(parts, rates)
-        ]  # fmt: skip
-        mentor.train()
-        mentee.train()
-        loss_sum = torch.zeros((), dtype=torch.float64, device=client.device)
-        seen = 0
-        for _ in range(local.epochs):
-            for x, y in client.data.epoch_batches(client.train_indices, local.batch_size, client.generator):
-                with autocast_context(client.precision, client.device):
-                    r, r_mentee = mentor.extract(x), mentee.extract(x)  # (K1)
-                    z, u = mentor.classifier(r), mentee.classifier(r_mentee)
-                    mapped = w_h(r_mentee) if w_h is not None else r_mentee
-                loss = adaptive_mutual_losses(
-                    z.float(), u.float(), r.float(), mapped.float(), y, detach_peers=self.params.detach_peers
-                )  # (K2)-(K3): the sum of both losses
-                for optimizer in optimizers:
-                    optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                if clip is not None:  # (K4): each part on its own
-                    for part in parts:
-                        torch.nn.utils.clip_grad_norm_(part.parameters(), clip)
-                for optimizer in optimizers:
-                    optimizer.step()
-                loss_sum += loss.detach().double() * y.shape[0]
-                seen += int(y.shape[0])
+
+        def batch_loss(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            with autocast_context(client.precision, client.device):
+                r, r_mentee = mentor.extract(x), mentee.extract(x)  # (K1)
+                z, u = mentor.classifier(r), mentee.classifier(r_mentee)
+                mapped = w_h(r_mentee) if w_h is not None else r_mentee
+            loss = adaptive_mutual_losses(
+                z.float(), u.float(), r.float(), mapped.float(), y, detach_peers=self.params.detach_peers
+            )  # (K2)-(K3): the sum of both losses
+            return loss, loss
+
+        # (K4): the mentor and W_h at η, the mentee at η_m, each gradient clipped on its own
+        parts = [(mentor, info.lr), (mentee, self.params.mentee_lr)] + ([(w_h, info.lr)] if w_h is not None else [])
+        mean_loss = train_parts_jointly(client, parts, self.local, clip, batch_loss)
         keep_own_model(client)
         # updates: the global this round started from (the next mean update adds to it); parameters: the trained
         # mentee, whose buffers stay on the client while the next broadcast replaces its parameters (K8)
@@ -280,5 +265,4 @@ class FedKD(Algorithm):
             items, zeros = {PREFIX + n: t.detach().float().cpu().clone() for n, t in sent.items()}, 0
         else:
             items, zeros = compressed_items(sent, self.params.energy(info.round), self.params.rank_rule)  # (K5)-(K6)
-        mean_loss = float(loss_sum / seen) if seen else float("nan")
         return Message({**items, RANK0: zeros, **metric_items(mean_loss, client.num_samples)})

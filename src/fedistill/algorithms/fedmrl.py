@@ -29,17 +29,25 @@ import torch
 from pydantic import Field
 from torch import nn
 
-from ..engine.seeding import FEDMRL, make_generator
+from ..engine.seeding import FEDMRL
 from ..losses import matryoshka_loss
 from ..models.flat import get_flat, set_flat
 from ..protocol import Exchange, metric_items
 from ..registry import ALGORITHMS
 from .base import Algorithm, AlgorithmParams, ClientContext, Message, RoundInfo, ServerContext
-from .hetero import HtFLlibClientDefaults, keep_own_model, load_own_model
+from .hetero import (
+    SAMPLES_KEY,
+    HtFLlibClientDefaults,
+    init_shared_state,
+    keep_own_model,
+    load_own_model,
+    mean_of_uploads,
+    run_long_linear_init,
+    train_parts_jointly,
+)
 from .local import autocast_context
 
 SHARED_KEY = "shared"  # server state and both messages: the shared model's flat weights (extractor and head)
-SAMPLES_KEY = "num_samples"  # the upload's n_k, with weighting="samples"
 PROJECTOR_KEY = "projector"  # client state with keep_projector: the trained P_k (weight then bias)
 
 
@@ -85,11 +93,8 @@ class FusedPredictor(nn.Module):
 
 
 def initial_projector(client: ClientContext, s: int, d: int) -> torch.Tensor:
-    """P_k^0 as a flat vector (weight (d, s + d) then bias (d,)): PyTorch's default Linear initialisation, uniform
-    in ±1/sqrt(s + d), drawn from the client's own run-long stream."""
-    bound = (s + d) ** -0.5
-    g = make_generator(client.seed, FEDMRL, 0, client.cid)
-    return (torch.rand(d * (s + d) + d, generator=g) * 2 - 1) * bound
+    """P_k^0 as a flat vector (weight (d, s + d) then bias (d,)), from the client's own run-long stream."""
+    return run_long_linear_init(client, FEDMRL, d, s + d, bias=True)
 
 
 @ALGORITHMS.register("fedmrl")
@@ -128,24 +133,15 @@ class FedMRL(HtFLlibClientDefaults, Algorithm):
 
     # -- server ---------------------------------------------------------------------------------------------
     def init_server(self, server: ServerContext) -> None:
-        if SHARED_KEY not in server.state:
-            if server.shared_initial is None:
-                raise ValueError("fedmrl: the engine gave the server no shared model (Exchange.shared_model)")
-            server.state[SHARED_KEY] = server.shared_initial.clone()
+        init_shared_state(server, SHARED_KEY, self.name)
 
     def broadcast(self, server: ServerContext, info: RoundInfo, cid: int) -> Message:
         return Message({SHARED_KEY: server.state[SHARED_KEY]})  # (M1)
 
     def aggregate(self, server: ServerContext, info: RoundInfo, replies: Mapping[int, Message]) -> dict[str, float]:
-        uploads = [r for r in replies.values() if SHARED_KEY in r]
-        if not uploads:
-            return {}
-        if self.params.resolved()[1] == "samples":
-            weights = torch.tensor([float(r[SAMPLES_KEY]) for r in uploads], dtype=torch.float64)
-        else:  # (M5): the plain mean of the arrived shared models, head included
-            weights = torch.ones(len(uploads), dtype=torch.float64)
-        weights = weights / weights.sum()
-        server.state[SHARED_KEY] = (weights @ torch.stack([r[SHARED_KEY].double() for r in uploads])).float()
+        mean = mean_of_uploads(replies, SHARED_KEY, self.params.resolved()[1], self.name)  # (M5): head included
+        if mean is not None:
+            server.state[SHARED_KEY] = mean
         return {}
 
     # -- client ---------------------------------------------------------------------------------------------
@@ -169,39 +165,24 @@ class FedMRL(HtFLlibClientDefaults, Algorithm):
     def local_update(self, client: ClientContext, info: RoundInfo, msg: Message) -> Message:
         fused = self._load(client, msg)
         keep, weighting, clip = self.params.resolved()
-        parts = (fused.private, fused.projector, fused.shared)
-        for part in parts:
-            part.train()
-        local = self.local
-        # Three optimisers made anew each round (HtFLlib): SGD at the client's rate as local.* say (M3).
-        optimizers = [
-            torch.optim.SGD(p.parameters(), lr=info.lr, momentum=local.momentum, weight_decay=local.weight_decay) for p in parts
-        ]  # fmt: skip
-        loss_sum = torch.zeros((), dtype=torch.float64, device=client.device)
-        seen, s = 0, self._s
-        for _ in range(local.epochs):
-            for x, y in client.data.epoch_batches(client.train_indices, local.batch_size, client.generator):
-                with autocast_context(client.precision, client.device):
-                    m = fused.fused(x)  # (M2)
-                    z, u = fused.private.classifier(m), fused.shared.classifier(m[:, :s])
-                loss = matryoshka_loss(z.float(), u.float(), y)
-                for optimizer in optimizers:
-                    optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                if clip is not None:
-                    for part in parts:
-                        torch.nn.utils.clip_grad_norm_(part.parameters(), clip)
-                for optimizer in optimizers:
-                    optimizer.step()
-                loss_sum += loss.detach().double() * y.shape[0]
-                seen += int(y.shape[0])
+        s = self._s
+
+        def batch_loss(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            with autocast_context(client.precision, client.device):
+                m = fused.fused(x)  # (M2)
+                z, u = fused.private.classifier(m), fused.shared.classifier(m[:, :s])
+            loss = matryoshka_loss(z.float(), u.float(), y)
+            return loss, loss
+
+        # (M3): the private model, the projector and the shared model at the client's rate
+        parts = [(fused.private, info.lr), (fused.projector, info.lr), (fused.shared, info.lr)]
+        mean_loss = train_parts_jointly(client, parts, self.local, clip, batch_loss)
         keep_own_model(client)
         if keep:
             client.state[PROJECTOR_KEY] = get_flat(fused.projector)
         upload: dict[str, Any] = {SHARED_KEY: get_flat(fused.shared)}  # (M4)
         if weighting == "samples":
             upload[SAMPLES_KEY] = int(client.num_samples)
-        mean_loss = float(loss_sum / seen) if seen else float("nan")
         return Message({**upload, **metric_items(mean_loss, client.num_samples)})
 
     # -- personalised evaluation (M6): private model and projector with the new global shared model ------------

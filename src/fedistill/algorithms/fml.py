@@ -33,11 +33,18 @@ from ..models.flat import get_flat, set_flat
 from ..protocol import Exchange, metric_items
 from ..registry import ALGORITHMS
 from .base import Algorithm, AlgorithmParams, ClientContext, Message, RoundInfo, ServerContext
-from .hetero import HtFLlibClientDefaults, keep_own_model, load_own_model
+from .hetero import (
+    SAMPLES_KEY,
+    HtFLlibClientDefaults,
+    init_shared_state,
+    keep_own_model,
+    load_own_model,
+    mean_of_uploads,
+    train_parts_jointly,
+)
 from .local import autocast_context
 
 MEME_KEY = "meme"  # server state and both messages: the meme's flat weights
-SAMPLES_KEY = "num_samples"  # the upload's n_k, with weighting="samples"
 
 
 class FMLParams(AlgorithmParams):
@@ -73,24 +80,15 @@ class FML(HtFLlibClientDefaults, Algorithm):
 
     # -- server ---------------------------------------------------------------------------------------------
     def init_server(self, server: ServerContext) -> None:
-        if MEME_KEY not in server.state:
-            if server.shared_initial is None:
-                raise ValueError("fml: the engine gave the server no shared model (Exchange.shared_model)")
-            server.state[MEME_KEY] = server.shared_initial.clone()
+        init_shared_state(server, MEME_KEY, self.name)
 
     def broadcast(self, server: ServerContext, info: RoundInfo, cid: int) -> Message:
         return Message({MEME_KEY: server.state[MEME_KEY]})  # (F1)
 
     def aggregate(self, server: ServerContext, info: RoundInfo, replies: Mapping[int, Message]) -> dict[str, float]:
-        memes = [r for r in replies.values() if MEME_KEY in r]
-        if not memes:
-            return {}
-        if self.params.weighting == "samples":
-            weights = torch.tensor([float(r[SAMPLES_KEY]) for r in memes], dtype=torch.float64)
-        else:  # (F6): the plain mean over the arrived clients
-            weights = torch.ones(len(memes), dtype=torch.float64)
-        weights = weights / weights.sum()
-        server.state[MEME_KEY] = (weights @ torch.stack([r[MEME_KEY].double() for r in memes])).float()
+        mean = mean_of_uploads(replies, MEME_KEY, self.params.weighting, self.name)  # (F6): plain by default
+        if mean is not None:
+            server.state[MEME_KEY] = mean
         return {}
 
     # -- client ---------------------------------------------------------------------------------------------
@@ -101,36 +99,19 @@ class FML(HtFLlibClientDefaults, Algorithm):
         load_own_model(client)
         set_flat(meme, msg[MEME_KEY])  # (F1): fork the global meme
         detach, reduction, clip = self.params.resolved()
-        private.train()
-        meme.train()
-        # Two optimisers made anew each round (HtFLlib): plain SGD at the client's rate, as local.* say.
-        local = self.local
-        optimizers = [
-            torch.optim.SGD(m.parameters(), lr=info.lr, momentum=local.momentum, weight_decay=local.weight_decay)
-            for m in (private, meme)
-        ]  # fmt: skip
-        loss_sum = torch.zeros((), dtype=torch.float64, device=client.device)
-        seen = 0
-        for _ in range(local.epochs):
-            for x, y in client.data.epoch_batches(client.train_indices, local.batch_size, client.generator):
-                with autocast_context(client.precision, client.device):
-                    z, u = private(x), meme(x)
-                loss_private, loss_meme = mutual_learning_losses(
-                    z.float(), u.float(), y, self.params.alpha, self.params.beta, reduction, detach
-                )  # (F2)
-                for optimizer in optimizers:
-                    optimizer.zero_grad(set_to_none=True)
-                (loss_private + loss_meme).backward()  # (F3): HtFLlib's two backward passes, accumulated
-                if clip is not None:  # (F4): each model on its own
-                    torch.nn.utils.clip_grad_norm_(private.parameters(), clip)
-                    torch.nn.utils.clip_grad_norm_(meme.parameters(), clip)
-                for optimizer in optimizers:
-                    optimizer.step()
-                loss_sum += loss_private.detach().double() * y.shape[0]
-                seen += int(y.shape[0])
+
+        def batch_loss(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            with autocast_context(client.precision, client.device):
+                z, u = private(x), meme(x)
+            loss_private, loss_meme = mutual_learning_losses(
+                z.float(), u.float(), y, self.params.alpha, self.params.beta, reduction, detach
+            )  # (F2)
+            return loss_private + loss_meme, loss_private  # (F3): HtFLlib's two backward passes, accumulated
+
+        # (F4): both models at the client's rate, each gradient clipped on its own
+        mean_loss = train_parts_jointly(client, [(private, info.lr), (meme, info.lr)], self.local, clip, batch_loss)
         keep_own_model(client)
         upload: dict[str, Any] = {MEME_KEY: get_flat(meme)}  # (F5)
         if self.params.weighting == "samples":
             upload[SAMPLES_KEY] = int(client.num_samples)
-        mean_loss = float(loss_sum / seen) if seen else float("nan")
         return Message({**upload, **metric_items(mean_loss, client.num_samples)})

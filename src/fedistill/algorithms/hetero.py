@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import copy
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -189,3 +189,92 @@ def sgd_on_rows(
             total += value.detach().double() * batch.numel()
         last = float(total / max(rows.shape[0], 1))
     return last
+
+
+# -- the shared-part methods (LG-FedAvg, FML, FedKD, FedMRL): one part every client holds in one shape ------------
+SAMPLES_KEY = "num_samples"  # an upload's n_k, where the server weights by samples
+
+
+def init_shared_state(server: Any, key: str, method: str) -> None:
+    """The shared model's seeded initial weights into ``server.state[key]`` (once; a resumed state is kept)."""
+    if key not in server.state:
+        if server.shared_initial is None:
+            raise ValueError(f"{method}: the engine gave the server no shared model (Exchange.shared_model)")
+        server.state[key] = server.shared_initial.clone()
+
+
+def mean_of_uploads(replies: Mapping[int, Any], key: str, weighting: str, method: str) -> torch.Tensor | None:
+    """The mean of the arrived flat vectors ``reply[key]``, in client-id order: plain (``"uniform"``) or weighted by
+    n_k / Σ n_j (``"samples"``, each reply's ``num_samples``); float64 sums, float32 result. None when none
+    arrived; vectors of different sizes are refused (they cannot be averaged)."""
+    uploads = [replies[cid] for cid in sorted(replies) if key in replies[cid]]
+    if not uploads:
+        return None
+    sizes = {int(r[key].numel()) for r in uploads}
+    if len(sizes) > 1:
+        raise ValueError(f"{method}: the clients' {key} vectors differ in size ({sorted(sizes)}): they cannot be averaged")
+    if weighting == "samples":
+        weights = torch.tensor([float(r[SAMPLES_KEY]) for r in uploads], dtype=torch.float64)
+    else:
+        weights = torch.ones(len(uploads), dtype=torch.float64)
+    weights = weights / weights.sum()
+    return (weights @ torch.stack([r[key].double() for r in uploads])).float()
+
+
+def run_long_linear_init(client: ClientContext, tag: int, out_features: int, in_features: int, bias: bool) -> torch.Tensor:
+    """A client's private Linear layer's initial weights (flat: weight, then bias) drawn once for the whole run
+    from ``make_generator(seed, tag, 0, cid)`` with PyTorch's default Linear distribution (uniform in
+    ±1/sqrt(in_features)): the same in every round, process and resume (FedMRL's P_k^0, FedKD's W_h)."""
+    from ..engine.seeding import make_generator
+
+    g = make_generator(client.seed, tag, 0, client.cid)
+    count = out_features * in_features + (out_features if bias else 0)
+    return (torch.rand(count, generator=g) * 2 - 1) * in_features**-0.5
+
+
+def train_parts_jointly(
+    client: ClientContext,
+    parts: Sequence[tuple[nn.Module, float]],
+    local: Any,
+    clip_norm: float | None,
+    batch_loss: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+) -> float:
+    """``local.epochs`` passes over the client's batches training several modules on one objective (FML's
+    private model and meme, FedKD's mentor, mentee and W_h, FedMRL's private model, projector and shared model):
+    per batch ``batch_loss(x, y)`` gives (the loss to back-propagate, the loss to report); one backward through
+    all parts (HtFLlib's consecutive backward passes accumulate to the same gradients), each part's gradient
+    clipped to ``clip_norm`` on its own, then one SGD step of each at its rate (``parts``: (module, rate); new
+    optimisers each round, momentum and weight decay as ``local`` says). Returns the sample-weighted mean
+    reported loss (nan without a batch)."""
+    optimizers = []
+    for module, rate in parts:
+        module.train()
+        optimizers.append(torch.optim.SGD(module.parameters(), lr=rate, momentum=local.momentum, weight_decay=local.weight_decay))
+    loss_sum = torch.zeros((), dtype=torch.float64, device=client.device)
+    seen = 0
+    for _ in range(local.epochs):
+        for x, y in client.data.epoch_batches(client.train_indices, local.batch_size, client.generator):
+            loss, reported = batch_loss(x, y)
+            for optimizer in optimizers:
+                optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            if clip_norm is not None:
+                for module, _ in parts:
+                    torch.nn.utils.clip_grad_norm_(module.parameters(), clip_norm)
+            for optimizer in optimizers:
+                optimizer.step()
+            loss_sum += reported.detach().double() * y.shape[0]
+            seen += int(y.shape[0])
+    return float(loss_sum / seen) if seen else float("nan")
+
+
+def global_head(method: str) -> Callable[[Any], nn.Module]:
+    """A builder of the server's Linear(d, C) over the clients' common feature dimension (FedGH's header,
+    LG-FedAvg's head), for a :class:`~fedistill.algorithms.server_modules.PersistentModule`."""
+
+    def build(server: Any) -> nn.Module:
+        if server.feature_dim <= 0:
+            raise ValueError(f"{method}: the server needs the clients' common feature dimension (ServerContext.feature_dim)")
+        return nn.Linear(server.feature_dim, server.num_classes)
+
+    return build

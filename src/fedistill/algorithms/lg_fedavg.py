@@ -35,11 +35,10 @@ from ..models.flat import get_flat, set_flat
 from ..protocol import Exchange, metric_items
 from ..registry import ALGORITHMS
 from .base import Algorithm, AlgorithmParams, ClientContext, Message, RoundInfo, ServerContext
-from .hetero import HtFLlibClientDefaults, load_own_model, train_own_model
+from .hetero import SAMPLES_KEY, HtFLlibClientDefaults, global_head, load_own_model, mean_of_uploads, train_own_model
 from .server_modules import PersistentModule
 
 SHARED_KEY = "lg_shared"  # server state and broadcast: the global shared part as one flat vector
-SAMPLES_KEY = "num_samples"  # the upload's n_k (where the weighting uses it)
 
 
 class LGFedAvgParams(AlgorithmParams):
@@ -98,13 +97,7 @@ class LGFedAvg(HtFLlibClientDefaults, Algorithm):
         super().__init__(params, local)
         if params.variant == "paper":  # layers of one architecture are averaged: refused for several, before any work
             self.exchange = Exchange("shared sub-model", f"its top {params.num_layers_keep} layers", one_architecture=True)
-        self._head = PersistentModule(SHARED_KEY, LG_FEDAVG, self._build_head)
-
-    @staticmethod
-    def _build_head(server: ServerContext) -> nn.Module:
-        if server.feature_dim <= 0:
-            raise ValueError("lg_fedavg: the server needs the clients' common feature dimension (ServerContext.feature_dim)")
-        return nn.Linear(server.feature_dim, server.num_classes)
+        self._head = PersistentModule(SHARED_KEY, LG_FEDAVG, global_head(self.name))
 
     # -- server ---------------------------------------------------------------------------------------------
     def init_server(self, server: ServerContext) -> None:
@@ -116,19 +109,10 @@ class LGFedAvg(HtFLlibClientDefaults, Algorithm):
         return Message({SHARED_KEY: shared}) if shared is not None else Message()  # (L1)
 
     def aggregate(self, server: ServerContext, info: RoundInfo, replies: Mapping[int, Message]) -> dict[str, float]:
-        uploads = {cid: r for cid, r in replies.items() if SHARED_KEY in r}
-        if not uploads:
-            return {}
-        sizes = {int(r[SHARED_KEY].numel()) for r in uploads.values()}
-        if len(sizes) > 1:
-            raise ValueError(f"lg_fedavg: the clients' shared parts differ in size ({sorted(sizes)}): they cannot be averaged")
-        if self.params.resolved_weighting() == "samples":  # (L4): n_k / Σ n_j over the arrived clients
-            weights = torch.tensor([float(r[SAMPLES_KEY]) for r in uploads.values()], dtype=torch.float64)
-        else:  # (L5)
-            weights = torch.ones(len(uploads), dtype=torch.float64)
-        weights = weights / weights.sum()
-        stacked = torch.stack([r[SHARED_KEY].double() for r in uploads.values()])
-        server.state[SHARED_KEY] = (weights @ stacked).float()
+        # (L4): n_k / Σ n_j over the arrived clients by default; (L5) uniform
+        mean = mean_of_uploads(replies, SHARED_KEY, self.params.resolved_weighting(), self.name)
+        if mean is not None:
+            server.state[SHARED_KEY] = mean
         return {}
 
     # -- client ---------------------------------------------------------------------------------------------
