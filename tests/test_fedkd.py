@@ -202,3 +202,19 @@ def test_updates_with_no_movement_leave_the_mentee_and_parameters_recompress_it(
 
 def test_resume_after_a_kill_is_bitwise(digits, tmp_path):
     assert_resume_bitwise(digits, tmp_path, "fedkd", THREE, "mentee", **{"algorithm.schedule_rounds": 3})
+
+
+def test_eval_model_mentee_scores_the_broadcast_mentee_on_each_clients_split(digits):
+    """eval_model="mentee": the personal accuracy is the mentee rebuilt from the server's compressed mean (the
+    server's global: its reconstruction) on each client's own test split."""
+    sim = Simulation(hetero_config({"name": "fedkd", "eval_model": "mentee"}, clients=THREE), digits)
+    history = sim.run()
+    mentee = sim.client_runtime.shared_worker
+    set_flat(mentee, sim.server.state["mentee"])
+    mentee.eval()
+    accuracies = []
+    with torch.no_grad():
+        for cid in range(3):
+            x, y = next(sim.client_runtime.pipeline.test_batches_of(sim.federation.test_indices[cid], 10_000))
+            accuracies.append(100.0 * float((mentee(x).argmax(1) == y).double().mean()))
+    assert history[-1]["personal_accuracies"] == pytest.approx(accuracies)

@@ -15,7 +15,7 @@ from fedistill.algorithms.build import make_algorithm
 from fedistill.config import build_config
 from fedistill.errors import ConfigError
 from fedistill.losses import mutual_learning_losses
-from fedistill.models.flat import num_flat
+from fedistill.models.flat import num_flat, set_flat
 from fedistill.protocol import Message, RoundInfo, ServerContext
 from fedistill.simulation import Simulation
 
@@ -142,3 +142,19 @@ def test_the_paper_variant_detaches_uses_batchmean_and_does_not_clip():
 
 def test_resume_after_a_kill_is_bitwise(digits, tmp_path):
     assert_resume_bitwise(digits, tmp_path, "fml", THREE, "meme")
+
+
+def test_eval_model_meme_scores_the_global_meme_on_each_clients_split(digits):
+    """eval_model="meme": the personal accuracy is the aggregated meme's on each client's own test split."""
+    sim = Simulation(hetero_config({"name": "fml", "eval_model": "meme"}, clients=THREE), digits)
+    history = sim.run()
+    meme = sim.client_runtime.shared_worker
+    set_flat(meme, sim.server.state["meme"])
+    meme.eval()
+    accuracies = []
+    with torch.no_grad():
+        for cid in range(3):
+            x, y = next(sim.client_runtime.pipeline.test_batches_of(sim.federation.test_indices[cid], 10_000))
+            accuracies.append(100.0 * float((meme(x).argmax(1) == y).double().mean()))
+    assert history[-1]["personal_accuracies"] == pytest.approx(accuracies)
+    assert history[-1]["personal_accuracies"] != pytest.approx(own_model_accuracies(sim, THREE))

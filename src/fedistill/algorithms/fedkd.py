@@ -68,6 +68,9 @@ class FedKDParams(AlgorithmParams):
     hidden_map: Literal["learned", "identity"] | None = Field(None, description="W_h learned (HtFLlib) or none; unset: by the variant")
     clip_norm: float | None = Field(10.0, gt=0, description="each part's gradient clipped to this norm (HtFLlib); null: none")
     detach_peers: bool = Field(False, description="peer distribution, features and the denominator as constants")
+    eval_model: Literal["mentor", "mentee"] = Field(
+        "mentor", description="scored on each client's test split: its mentor (HtFLlib) or the mentee as the server sends it"
+    )
 
     def resolved(self) -> tuple[str, str, float | None, int]:
         """(compress, hidden_map, clip_norm, schedule offset) after the variant: an explicit setting wins."""
@@ -153,6 +156,8 @@ class FedKD(Algorithm):
     def __init__(self, params: FedKDParams, local: Any) -> None:
         super().__init__(params, local)
         self._w_h: dict[tuple[int, int], nn.Linear] = {}
+        if params.eval_model == "mentee":  # the reconstruction of the next broadcast, assembled on each client
+            self.personal_model = "assembled"
 
     # -- server ---------------------------------------------------------------------------------------------
     def init_server(self, server: ServerContext) -> None:
@@ -266,3 +271,10 @@ class FedKD(Algorithm):
         else:
             items, zeros = compressed_items(sent, self.params.energy(info.round), self.params.rank_rule)  # (K5)-(K6)
         return Message({**items, RANK0: zeros, **metric_items(mean_loss, client.num_samples)})
+
+    # -- eval_model="mentee": the mentee as the client would rebuild it from the next broadcast ----------------
+    def assemble_personal_model(self, client: ClientContext, msg: Message) -> None:
+        self._mentee(client, msg)
+
+    def personal_predictor(self, client: ClientContext) -> nn.Module:
+        return client.shared_model if self.params.eval_model == "mentee" else client.model

@@ -59,6 +59,9 @@ class FMLParams(AlgorithmParams):
     )
     clip_norm: float | None = Field(10.0, gt=0, description="each model's gradient clipped to this total norm (HtFLlib); null: none")
     weighting: Literal["uniform", "samples"] = Field("uniform", description="the server's mean of the memes (HtFLlib and the authors: uniform)")
+    eval_model: Literal["private", "meme"] = Field(
+        "private", description="scored on each client's test split: its private model (HtFLlib) or the new global meme"
+    )
 
     def resolved(self) -> tuple[bool, str, float | None]:
         """(detach_targets, kl_reduction, clip_norm) after the variant: an explicit setting wins."""
@@ -77,6 +80,11 @@ class FML(HtFLlibClientDefaults, Algorithm):
     Params = FMLParams
     exchange: ClassVar[Exchange] = Exchange("shared sub-model", "the meme model's weights", shared_model=True)
     personal_model: ClassVar[str] = "local"  # the private model after its update, on its own test split
+
+    def __init__(self, params: FMLParams, local: Any) -> None:
+        super().__init__(params, local)
+        if params.eval_model == "meme":  # the global meme after aggregation, sent to each client to score
+            self.personal_model = "assembled"
 
     # -- server ---------------------------------------------------------------------------------------------
     def init_server(self, server: ServerContext) -> None:
@@ -115,3 +123,12 @@ class FML(HtFLlibClientDefaults, Algorithm):
         if self.params.weighting == "samples":
             upload[SAMPLES_KEY] = int(client.num_samples)
         return Message({**upload, **metric_items(mean_loss, client.num_samples)})
+
+    # -- eval_model="meme": the global meme on the client's test split ----------------------------------------
+    def assemble_personal_model(self, client: ClientContext, msg: Message) -> None:
+        if client.shared_model is None:
+            raise ValueError("fml: the engine gave the client no shared model (Exchange.shared_model)")
+        set_flat(client.shared_model, msg[MEME_KEY])
+
+    def personal_predictor(self, client: ClientContext) -> Any:
+        return client.shared_model if self.params.eval_model == "meme" else client.model
