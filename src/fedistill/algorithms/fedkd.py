@@ -174,7 +174,7 @@ class FedKD(Algorithm):
         return Message(dict(sent))  # (K8): the compressed mean (or mean update) of the last round
 
     def aggregate(self, server: ServerContext, info: RoundInfo, replies: Mapping[int, Message]) -> dict[str, float]:
-        uploads = [r for r in replies.values() if any(k.startswith(PREFIX) for k in r)]
+        uploads = [replies[c] for c in sorted(replies) if any(k.startswith(PREFIX) for k in replies[c])]  # client-id order
         if not uploads:
             return {}
         names = sorted({k[len(PREFIX) :].rsplit(".", 1)[0] if k.endswith((".U", ".S", ".V")) else k[len(PREFIX) :]
