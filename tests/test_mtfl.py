@@ -16,9 +16,11 @@ PERSONAL = {"partition.per_client_test": True, "partition.num_clients": 4, "clie
 
 
 def bn_config(algorithm="mtfl", rounds=2, **overrides):
-    """Four clients of the zoo's ResNet-8 (BatchNorm after every convolution) on digits, 4 channels wide (the
-    patches' bookkeeping does not depend on the width; a quarter of the default's 16 costs a tenth of its time)."""
-    return small_config(rounds=rounds, algorithm=algorithm, **{"model.name": "resnet8", "model.kwargs": {"width": 4}, **PERSONAL, **overrides})
+    """Four clients of the zoo's ResNet-8 (BatchNorm after every convolution) on digits, 8 channels wide (the
+    patches' bookkeeping does not depend on the width; half the default's 16 is cheaper). Not 4 to 6: torch
+    2.13's CPU build aborts in the backward of those widths in channels-last on the AMD EPYC host (widths 7 and 8
+    pass; reproduced outside the suite, RESULTS "The suite on the AMD EPYC host")."""
+    return small_config(rounds=rounds, algorithm=algorithm, **{"model.name": "resnet8", "model.kwargs": {"width": 8}, **PERSONAL, **overrides})
 
 
 def bn_affine_keys(model):
@@ -129,7 +131,7 @@ def test_mtfl_learns_and_beats_fedavgs_global_model_on_the_clients(digits):
 
 
 def test_resume_is_exact_with_the_patches_in_client_state(digits, tmp_path):
-    assert_resume_is_exact(digits, tmp_path, "mtfl", client_keys=("private_weights",), **{"model.name": "resnet8", "model.kwargs": {"width": 4}, **PERSONAL})
+    assert_resume_is_exact(digits, tmp_path, "mtfl", client_keys=("private_weights",), **{"model.name": "resnet8", "model.kwargs": {"width": 8}, **PERSONAL})
 
 
 def test_worker_processes_give_the_same_personal_accuracies(digits):
