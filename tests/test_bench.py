@@ -12,7 +12,7 @@ import yaml
 
 from conftest import child_processes, live_processes
 
-from fedistill.studies.bench import available_suites, bench, best_bf16_peak, estimate_remaining, load_suite, suite_cells
+from fedistill.studies.bench import available_suites, bench, best_bf16_peak, estimate_remaining, load_suite, peak_matmul_size, suite_cells
 from fedistill.cli import main
 from fedistill.errors import ConfigError
 from fedistill.registry import ALGORITHMS
@@ -369,6 +369,14 @@ def test_eta_expects_each_cell_to_take_its_methods_mean():
     assert estimate_remaining(finished, ["a", "b", "c", "c"], jobs=2) == 67.5
     assert estimate_remaining(finished, [], jobs=2) == 0.0
     assert estimate_remaining([], ["a"], jobs=1) == 0.0
+
+
+def test_the_peak_matmuls_keep_2048_where_bf16_is_fast_and_shrink_where_it_is_emulated():
+    """About 200 GFLOP/s (bf16 in hardware): 2048-square matmuls as before; 0.9 GFLOP/s (an AVX2-only CPU) gives
+    the side whose matmul takes 0.05 s, (0.9e9·0.05/2)^(1/3) = 282; never below 256."""
+    assert peak_matmul_size(200.0) == 2048
+    assert peak_matmul_size(0.9) == 282
+    assert peak_matmul_size(0.001) == 256
 
 
 def test_the_bf16_peak_is_the_best_any_bench_of_the_directory_measured(tmp_path):

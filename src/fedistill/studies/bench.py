@@ -265,13 +265,28 @@ def _has_flops(path: Path) -> bool:
         return False
 
 
+def peak_matmul_size(probe_gflops: float, size: int = 2048, step_seconds: float = 0.05) -> int:
+    """The side of the square matmuls that measure the peak: ``size`` where one of them takes at most
+    ``step_seconds`` at the probe's rate, else the side that does (at least 256). A CPU without bf16 in hardware
+    (an AVX2-only AMD EPYC host measured 0.9 GFLOP/s) would otherwise spend about 20 s on each 2048-square matmul;
+    a machine with it (about 200 GFLOP/s a thread) keeps 2048."""
+    fitting = int((probe_gflops * 1e9 * step_seconds / 2) ** (1 / 3))
+    return max(256, min(size, fitting))
+
+
 def measure_bf16_peak(threads: int, size: int = 2048, seconds: float = 1.0) -> float:
-    """This machine's bf16 matmul rate in GFLOP/s on ``threads`` threads (square matmuls, best of a second)."""
+    """This machine's bf16 matmul rate in GFLOP/s on ``threads`` threads (square matmuls, best of a second; their
+    side from a 256-square probe, :func:`peak_matmul_size`)."""
     import torch
 
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
+        probe = torch.randn(256, 256, dtype=torch.bfloat16)
+        torch.mm(probe, probe)  # warm-up
+        start = time.perf_counter()
+        torch.mm(probe, probe)
+        size = peak_matmul_size(2 * 256**3 / max(time.perf_counter() - start, 1e-9) / 1e9, size)
         a = torch.randn(size, size, dtype=torch.bfloat16)
         b = torch.randn(size, size, dtype=torch.bfloat16)
         torch.mm(a, b)  # warm-up
