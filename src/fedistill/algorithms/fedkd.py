@@ -90,13 +90,12 @@ class FedKDParams(AlgorithmParams):
 def svd_rank(squared: torch.Tensor, energy: float, rule: str) -> int:
     """The rank kept from the pooled squared singular values ``squared`` (descending, length k): htfllib, the
     smallest n in 1..k−1 with Σ_{j≤n} σ_j² > E·Σσ², else 0; fixed, the smallest n in 1..k with ≥."""
-    total, cumulative = float(squared.sum()), torch.cumsum(squared, 0)
-    k = squared.numel()
+    target, cumulative = energy * float(squared.sum()), torch.cumsum(squared, 0)  # cumulative[n - 1]: ranks n
     if rule == "htfllib":
-        hits = [n for n in range(1, k) if float(cumulative[n - 1]) > energy * total]
-        return hits[0] if hits else 0
-    hits = [n for n in range(1, k + 1) if float(cumulative[n - 1]) >= energy * total]
-    return hits[0] if hits else k
+        hits = torch.nonzero(cumulative[:-1] > target).flatten()  # ranks 1..k−1 only
+        return int(hits[0]) + 1 if hits.numel() else 0
+    hits = torch.nonzero(cumulative >= target).flatten()
+    return int(hits[0]) + 1 if hits.numel() else squared.numel()
 
 
 def compress(name: str, tensor: torch.Tensor, energy: float, rule: str) -> tuple[dict[str, torch.Tensor], int | None]:

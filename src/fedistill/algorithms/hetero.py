@@ -19,7 +19,7 @@ from torch import nn
 from ..class_losses import class_sums, nearest_prototype_scores
 from ..models.flat import get_flat, set_flat
 from ..protocol import ClassRows, ClientContext, Exchange
-from .local import autocast_context, local_sgd
+from .local import autocast_context, fused, local_sgd
 
 # HtFLlib's pre-tuned client settings (system/total.sh; spec/experiments-hetero.md §4): plain SGD at 0.01 (no
 # momentum, no weight decay, no decay of the rate), batches of 10, one local epoch; and per-client test splits,
@@ -249,7 +249,9 @@ def train_parts_jointly(
     optimizers = []
     for module, rate in parts:
         module.train()
-        optimizers.append(torch.optim.SGD(module.parameters(), lr=rate, momentum=local.momentum, weight_decay=local.weight_decay))
+        optimizers.append(torch.optim.SGD(
+            module.parameters(), lr=rate, momentum=local.momentum, weight_decay=local.weight_decay, **fused(client.device)
+        ))  # fmt: skip  (local_sgd's fused kernel: one pass per tensor)
     loss_sum = torch.zeros((), dtype=torch.float64, device=client.device)
     seen = 0
     for _ in range(local.epochs):
