@@ -250,3 +250,17 @@ def own_model_accuracies(sim, architectures, prepare=None):
             x, y = next(sim.client_runtime.pipeline.test_batches_of(sim.federation.test_indices[cid], 10_000))
             accuracies.append(100.0 * float((model(x).argmax(1) == y).double().mean()))
     return accuracies
+
+
+def shared_model_accuracies(sim, state_key):
+    """Each client's accuracy (%) on its own test split with the shared model (the engine's worker) holding the
+    server's ``state[state_key]``: what FML's eval_model=meme and FedKD's eval_model=mentee must report."""
+    model = sim.client_runtime.shared_worker
+    set_flat(model, sim.server.state[state_key])
+    model.eval()
+    accuracies = []
+    with torch.no_grad():
+        for test in sim.federation.test_indices:
+            x, y = next(sim.client_runtime.pipeline.test_batches_of(test, 10_000))
+            accuracies.append(100.0 * float((model(x).argmax(1) == y).double().mean()))
+    return accuracies

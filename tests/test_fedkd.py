@@ -9,7 +9,7 @@ import math
 
 import pytest
 import torch
-from conftest import assert_resume_bitwise, hetero_config, own_model_accuracies
+from conftest import assert_resume_bitwise, hetero_config, own_model_accuracies, shared_model_accuracies
 
 from fedistill.algorithms.build import make_algorithm
 from fedistill.algorithms.fedkd import PREFIX, compress, compressed_items, reconstruct, svd_rank
@@ -209,12 +209,4 @@ def test_eval_model_mentee_scores_the_broadcast_mentee_on_each_clients_split(dig
     server's global: its reconstruction) on each client's own test split."""
     sim = Simulation(hetero_config({"name": "fedkd", "eval_model": "mentee"}, clients=THREE), digits)
     history = sim.run()
-    mentee = sim.client_runtime.shared_worker
-    set_flat(mentee, sim.server.state["mentee"])
-    mentee.eval()
-    accuracies = []
-    with torch.no_grad():
-        for cid in range(3):
-            x, y = next(sim.client_runtime.pipeline.test_batches_of(sim.federation.test_indices[cid], 10_000))
-            accuracies.append(100.0 * float((mentee(x).argmax(1) == y).double().mean()))
-    assert history[-1]["personal_accuracies"] == pytest.approx(accuracies)
+    assert history[-1]["personal_accuracies"] == pytest.approx(shared_model_accuracies(sim, "mentee"))

@@ -9,13 +9,13 @@ import math
 
 import pytest
 import torch
-from conftest import assert_resume_bitwise, hetero_config, own_model_accuracies, own_models
+from conftest import assert_resume_bitwise, hetero_config, own_model_accuracies, own_models, shared_model_accuracies
 
 from fedistill.algorithms.build import make_algorithm
 from fedistill.config import build_config
 from fedistill.errors import ConfigError
 from fedistill.losses import mutual_learning_losses
-from fedistill.models.flat import num_flat, set_flat
+from fedistill.models.flat import num_flat
 from fedistill.protocol import Message, RoundInfo, ServerContext
 from fedistill.simulation import Simulation
 
@@ -148,13 +148,5 @@ def test_eval_model_meme_scores_the_global_meme_on_each_clients_split(digits):
     """eval_model="meme": the personal accuracy is the aggregated meme's on each client's own test split."""
     sim = Simulation(hetero_config({"name": "fml", "eval_model": "meme"}, clients=THREE), digits)
     history = sim.run()
-    meme = sim.client_runtime.shared_worker
-    set_flat(meme, sim.server.state["meme"])
-    meme.eval()
-    accuracies = []
-    with torch.no_grad():
-        for cid in range(3):
-            x, y = next(sim.client_runtime.pipeline.test_batches_of(sim.federation.test_indices[cid], 10_000))
-            accuracies.append(100.0 * float((meme(x).argmax(1) == y).double().mean()))
-    assert history[-1]["personal_accuracies"] == pytest.approx(accuracies)
+    assert history[-1]["personal_accuracies"] == pytest.approx(shared_model_accuracies(sim, "meme"))
     assert history[-1]["personal_accuracies"] != pytest.approx(own_model_accuracies(sim, THREE))
