@@ -265,13 +265,14 @@ def _has_flops(path: Path) -> bool:
         return False
 
 
-def peak_matmul_size(probe_gflops: float, size: int = 2048, step_seconds: float = 0.05) -> int:
-    """The side of the square matmuls that measure the peak: ``size`` where one of them takes at most
-    ``step_seconds`` at the probe's rate, else the side that does (at least 256). A CPU without bf16 in hardware
-    (an AVX2-only AMD EPYC host measured 0.9 GFLOP/s) would otherwise spend about 20 s on each 2048-square matmul;
-    a machine with it (about 200 GFLOP/s a thread) keeps 2048."""
-    fitting = int((probe_gflops * 1e9 * step_seconds / 2) ** (1 / 3))
-    return max(256, min(size, fitting))
+def peak_matmul_size(probe_gflops: float, size: int = 2048, slow_seconds: float = 1.0, step_seconds: float = 0.1) -> int:
+    """The side of the square matmuls that measure the peak: ``size`` wherever one of them takes at most
+    ``slow_seconds`` at the probe's rate (every CPU with bf16 in hardware: about 200 GFLOP/s a thread, 0.09 s),
+    else the side whose matmul takes ``step_seconds`` (at least 256). A CPU without bf16 in hardware (an
+    AVX2-only AMD EPYC host measured 0.9 GFLOP/s) would otherwise spend about 20 s on each 2048-square matmul."""
+    if 2 * size**3 / (probe_gflops * 1e9) <= slow_seconds:
+        return size
+    return max(256, min(size, int((probe_gflops * 1e9 * step_seconds / 2) ** (1 / 3))))
 
 
 def measure_bf16_peak(threads: int, size: int = 2048, seconds: float = 1.0) -> float:
