@@ -90,7 +90,7 @@ def main() -> None:
         subprocess.run([sys.executable, "-c", CHILD, json.dumps(tree), "2", "1"], check=True)
         return
 
-    from fedistill.studies.bench import measure_bf16_peak
+    from fedistill.engine.flops import measure_bf16_peak
 
     peak = measure_bf16_peak(1, seconds=2.0)
     out = Path(__file__).parent / "out"

@@ -12,7 +12,8 @@ import yaml
 
 from conftest import child_processes, live_processes
 
-from fedistill.studies.bench import available_suites, bench, best_bf16_peak, estimate_remaining, load_suite, peak_matmul_size, suite_cells
+from fedistill.engine.flops import best_bf16_peak, peak_matmul_size
+from fedistill.studies.bench import available_suites, bench, estimate_remaining, load_suite, suite_cells
 from fedistill.cli import main
 from fedistill.errors import ConfigError
 from fedistill.registry import ALGORITHMS
