@@ -60,10 +60,14 @@ CLAIMS = [
 ]
 
 
+@pytest.mark.measure_peak
 def test_bench_runs_every_cell_and_ranks_the_methods(tmp_path, capsys):
     suite = load_suite(str(_suite(tmp_path, claims=CLAIMS)))
     rows = bench(suite, tmp_path / "out", overrides=["run.threads=1"])
     root = tmp_path / "out" / "tiny-bench"
+    # this machine's one-thread peak, measured (not the tests' stand-in) and kept beside the leaderboard
+    peak = json.loads((root / "bf16_peak.json").read_text())["by_threads"]["1"]
+    assert peak > 0 and peak != 100.0 and all(r["bf16_peak_gflops_per_s"] == peak for r in rows if r["status"] == "ok")
     for setting in ("iid", "lda"):
         part = [r for r in rows if r["setting"] == setting]
         by = {r["method"]: r for r in part}
@@ -379,6 +383,18 @@ def test_the_peak_matmuls_keep_2048_where_bf16_is_fast_and_shrink_where_it_is_em
     assert peak_matmul_size(200.0) == 2048 and peak_matmul_size(17.2) == 2048
     assert peak_matmul_size(0.9) == 355
     assert peak_matmul_size(0.001) == 256
+
+
+def test_the_peak_is_the_best_rate_of_its_matmuls_on_the_threads_asked_for():
+    """A rate in GFLOP/s from square bf16 matmuls (256-square here, for a twentieth of a second); torch's thread
+    count is set for the measurement and given back."""
+    import torch
+
+    from fedistill.engine.flops import measure_bf16_peak
+
+    threads = torch.get_num_threads()
+    rate = measure_bf16_peak(1, size=256, seconds=0.05)
+    assert 0.01 < rate < 10_000 and torch.get_num_threads() == threads
 
 
 def test_the_bf16_peak_is_the_best_any_bench_of_the_directory_measured(tmp_path):

@@ -181,7 +181,9 @@ def test_distillation_changes_the_average_from_round_two(digits):
     average = weighted_mean([r["weights"] for r in ordered], aggregation_weights([int(r["num_samples"]) for r in ordered]))
     metrics = sim.algorithm.aggregate(sim.server, info, replies)
     assert not torch.equal(get_flat(sim.server.model), average)
-    assert metrics["dafkd_kd_loss"] >= 0 and metrics["dafkd_refine_seconds"] > 0
+    # A KL divergence, non-negative up to float rounding: where student and target nearly agree, the sum of
+    # p·(log p − log q) rounds to about −1e-8 on some CPUs (seen on an AVX-512 AMD EPYC host).
+    assert metrics["dafkd_kd_loss"] >= -1e-6 and metrics["dafkd_refine_seconds"] > 0
 
 
 @pytest.mark.parametrize("teacher_scale", ["raw", "aggregate"])
