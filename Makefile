@@ -33,7 +33,7 @@ run: install
 # Two test processes with one torch thread each (tests/conftest.py): the small models of the tests use two
 # cores poorly inside one process; on two idle cores the suite took about 6.5 minutes on the AMD EPYC host (1,351 tests) and 8.5-10 minutes on the Intel Xeon host of 2026-12-06 (1,527 tests; tests/test_cuda.py skips without CUDA; benchmarks/RESULTS.md, the suite on the Intel Xeon host).
 test: install-test
-	$(PY) -m pytest -n 2
+	$(PY) -m pytest -n 2 --durations=20
 
 # The documentation site into site/ (open site/index.html; no network needed to build or read it).
 docs: install-test

@@ -6,8 +6,8 @@
   context goes back, another app is refused with an error reply, an exception becomes an error reply and
   the worker goes on;
 - the SuperNode's shorter waits (idle: Flower's 3 s; during a run: the poll interval) and quicker pulls;
-- a real local federation in the long-running mode equals the simulation, and each worker loaded its
-  client's data once for the whole run.
+- a real local federation in the long-running mode equals the simulation, each worker loaded its client's
+  data once for the whole run, and a second run on it survives a SuperNode killed mid-round.
 
 No timing is asserted: benchmarks/bench_flower_round.py measures the rounds.
 """
@@ -304,32 +304,57 @@ def test_quicker_object_pulls_needs_a_pull_objects():
 
 
 # ============================================================================ a real local federation
-def test_real_federation_with_long_running_clientapps_matches_the_simulation(tmp_path, keep_threads):
-    """SuperNodes with --isolation process and fast polling, one ClientApp worker each: the run equals the
-    simulation bit for bit, and every worker handled all its messages with one load of its data."""
+def test_real_federation_of_long_running_clientapps_matches_the_simulation_then_survives_a_killed_supernode(tmp_path, keep_threads):
+    """Two runs on one federation (its start, eight processes, costs about 15 s of CPU: once for both checks).
+    Three SuperNodes with --isolation process and fast polling, one ClientApp worker each.
+
+    1. The run equals the simulation bit for bit, and every worker handles all its messages with one load of its
+       data (a second run builds it once more).
+    2. A SuperNode dies holding round 2's message of a second run: the round waits out its timeout and goes on
+       with the two replies (min_fraction 0.6), and the run finishes. The node is frozen first to make its death
+       land inside round 2 whatever the machine's speed: its worker is stopped (SIGSTOP) right after its round-1
+       reply went out, so it can never answer round 2, and the node is killed once round 1 is recorded."""
+    import os
+    import signal
+
     from fedistill.engine.seeding import INIT
     from fedistill.simulation import Simulation, build_model_for
     from fedistill.flower.local import LocalFederation
     from fedistill.flower.project import write_app
     from fedistill.models.flat import get_flat
 
-    cfg = flower_config(rounds=2, clients_per_round=2, **{"partition.num_clients": 2})  # 2 nodes: a quicker start
-    run_dir = tmp_path / "run"
+    cfg = flower_config(rounds=2)
+    run_dir, killed_dir = tmp_path / "run", tmp_path / "killed"
     app = write_app(tmp_path / "app", cfg, run_dir=str(run_dir), round_timeout=120, discovery_timeout=90)
-    fed = LocalFederation(tmp_path / "federation", 2, clientapp="worker", poll_interval=0.1)
+    timeout = 12.0  # a healthy round takes 1-3 s here; the round that loses a node waits all of it
+    killed_app = write_app(tmp_path / "killed-app", cfg, run_dir=str(killed_dir), round_timeout=timeout, min_fraction=0.6, discovery_timeout=60)
+    fed = LocalFederation(tmp_path / "federation", 3, clientapp="worker", poll_interval=0.1)
     try:
         fed.start()
         fed.submit(app)
-        deadline = time.monotonic() + 180
-        while not (run_dir / "summary.json").exists():  # sooner than asking `flwr ls`
-            assert time.monotonic() < deadline, _logs(fed)
-            time.sleep(0.2)
+        _wait_for_file(run_dir / "summary.json", 180, fed)  # sooner than asking `flwr ls`
         summary = json.loads((run_dir / "summary.json").read_text())
         assert summary["status"] == "finished", (summary, _logs(fed))
         commands = [" ".join(p.args) for p in fed.supernodes.values()]
         assert all("--isolation process" in c and "fedistill.flower supernode" in c for c in commands), commands
+        worker_log = fed.workdir / "clientapp-2.log"
+        first_run = worker_log.read_text().count("(train.fedistill): completed")
+        assert first_run == 2, _logs(fed)
+
+        fed.submit(killed_app)
+        deadline = time.monotonic() + 90
+        while worker_log.read_text().count("(train.fedistill): completed") <= first_run:
+            assert time.monotonic() < deadline, _logs(fed)
+            time.sleep(0.02)
+        os.kill(fed.workers[2].pid, signal.SIGSTOP)  # its round-1 reply was pushed before the line was written
+        _wait_for_file(killed_dir / "metrics.jsonl", 60, fed, lambda p: p.exists() and len(p.read_text().splitlines()) >= 1)
+        fed.kill_supernode(2)
+        _wait_for_file(killed_dir / "summary.json", timeout + 30, fed)  # fails if the run does not finish by then
+        summary = json.loads((killed_dir / "summary.json").read_text())
+        assert summary["status"] == "finished", (summary, _logs(fed))
     finally:
         fed.close()
+    assert [json.loads(line)["clients"] for line in (killed_dir / "metrics.jsonl").read_text().splitlines()] == [3, 2]
 
     sim = Simulation(cfg, load_dataset_for(cfg))
     history = sim.run()
@@ -340,10 +365,17 @@ def test_real_federation_with_long_running_clientapps_matches_the_simulation(tmp
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["test_accuracy"] for r in rows] == [r["test_accuracy"] for r in history]
 
-    for i in range(2):
+    for i in range(2):  # the nodes that lived: each run's data built once and reused for its other messages
         log = (tmp_path / "federation" / f"clientapp-{i}.log").read_text()
-        assert log.count("(train.fedistill): completed") == 2, log
-        assert "stops after 3 task(s), 0 failed; client data built 1 time(s), reused 2 time(s)" in log, log
+        assert log.count("(train.fedistill): completed") == 4, log
+        assert "stops after 6 task(s), 0 failed; client data built 2 time(s), reused 4 time(s)" in log, log
+
+
+def _wait_for_file(path, timeout: float, fed, predicate=lambda p: p.exists()) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate(path):
+        assert time.monotonic() < deadline, f"timed out after {timeout:g}s waiting for {path}\n{_logs(fed)}"
+        time.sleep(0.2)
 
 
 def _logs(fed) -> str:
