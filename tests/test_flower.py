@@ -420,7 +420,9 @@ def test_app_writer_and_client_thread_count():
 def federation(tmp_path):
     from fedistill.flower.local import LocalFederation
 
-    fed = LocalFederation(tmp_path / "federation", 2)  # two nodes: each message starts a ClientApp process
+    # One node of Flower's own (each message starts a ClientApp process, about 3 s of CPU): the aggregation of
+    # several nodes' replies is checked bit for bit on the long-running workers (test_flower_longrunning.py).
+    fed = LocalFederation(tmp_path / "federation", 1)
     try:
         fed.start()
         yield fed
@@ -455,7 +457,7 @@ def test_real_federation_matches_simulation_then_a_failed_run_is_marked_failed_i
     # Flower's own SuperNodes start a ClientApp process per message (about 20-35 s a round on two cores): one round
     # here; two rounds bit for bit are the long-running workers' test (test_flower_longrunning.py), and the state
     # carried from round to round is the fake grid's (test_fake_grid_*), both through the same ServerApp.
-    cfg = flower_config(rounds=1, clients_per_round=2, **{"partition.num_clients": 2})
+    cfg = flower_config(rounds=1, clients_per_round=1, **{"partition.num_clients": 1, "partition.scheme": "iid"})
     run_dir = tmp_path / "run"
     app = write_app(tmp_path / "app", cfg, run_dir=str(run_dir), round_timeout=120, discovery_timeout=60)
     run_id = federation.submit(app)
@@ -466,7 +468,7 @@ def test_real_federation_matches_simulation_then_a_failed_run_is_marked_failed_i
     expected, sim_history = simulate(cfg)
     assert torch.allclose(checkpoint_flat(cfg, run_dir), expected, atol=1e-6)
     rows = read_rows(run_dir)
-    assert [r["clients"] for r in rows] == [2]
+    assert [r["clients"] for r in rows] == [1]
     assert [(r["bytes_down"], r["bytes_up"]) for r in rows] == [(r["bytes_down"], r["bytes_up"]) for r in sim_history]
 
     # No runtime dependency installation: the SuperLink's SuperExec runs without the allow flag.
@@ -484,11 +486,12 @@ def test_real_federation_matches_simulation_then_a_failed_run_is_marked_failed_i
     submitted = federation.flwr("run", str(failing), CONNECTION, "--format", "json", "--run-config", f"resume=true run-dir={json.dumps(str(gone))}")
     assert submitted.returncode == 0, submitted.stderr  # Flower's choice: the README says how scripts check instead
     failed_id = int(json.loads(submitted.stdout)["run-id"])
-    info = federation.wait(failed_id, 90)
+    # `flwr log --stream` returns once the run has ended (the README's recipe for scripts relies on it), so one
+    # `flwr ls` after it tells the status, where polling would start a process (1.5 s of CPU) every 2 s.
+    log = federation.flwr("log", str(failed_id), CONNECTION, "--stream", timeout=90).stdout
+    info = federation.run_info(failed_id)
     assert info["status"] == "finished:failed", info
     assert "does not exist" in info["status-details"], info
-    # `flwr log --stream` returns once the run has ended: the README's recipe for scripts relies on it.
-    log = federation.flwr("log", str(failed_id), CONNECTION, "--stream", timeout=60).stdout
     errors = [line for line in log.splitlines() if "[fedistill] error:" in line]
     assert len(errors) == 1 and "run config run-dir:" in errors[0] and "resume=true has nothing to continue" in errors[0], log
     assert "Traceback" not in log and "ServerApp stopped by the fedistill error above (ConfigError)" in log, log
