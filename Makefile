@@ -31,7 +31,10 @@ run: install
 	$(VENV)/bin/fedistill run --config configs/digits_fedavg.yaml
 
 # Two test processes with one torch thread each (tests/conftest.py): the small models of the tests use two
-# cores poorly inside one process; on two idle cores the suite took about 6.5 minutes on the AMD EPYC host (1,351 tests) and 8.5-10 minutes on the Intel Xeon host of 2026-12-06 (1,527 tests; tests/test_cuda.py skips without CUDA; benchmarks/RESULTS.md, the suite on the Intel Xeon host).
+# cores poorly inside one process (three were slower). On two idle cores: 4 min 51 s on an AVX-512 AMD EPYC host
+# (1,582 tests, 2026-12-06), 640 s on CI's AVX2-only host before that day's cuts (about 9.3 min projected after
+# them); tests/test_cuda.py skips without CUDA. benchmarks/RESULTS.md, "The suite's time". --durations=20 prints
+# the slowest tests, so a CI log shows where its host spends the time.
 test: install-test
 	$(PY) -m pytest -n 2 --durations=20
 
