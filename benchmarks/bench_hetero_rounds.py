@@ -10,7 +10,7 @@ one-thread bf16 matmul peak (measured here first: the convention of the leaderbo
 machine (about 35 min for the five methods on the
 Intel Xeon host; no timeout shorter than that):
 
-    python benchmarks/bench_hetero_rounds.py --data-dir ../shared/data [--methods fd,fedproto] [--group mixed8]
+    python benchmarks/bench_hetero_rounds.py --data-dir ../shared/data [--methods fd,fedproto] [--group mixed8] [--precision bf16]
 
 Writes benchmarks/out/hetero-rounds-<time>.json and prints a markdown table for benchmarks/RESULTS.md.
 ``--profile METHOD`` instead prints where one round of that method goes (cProfile, top 25 by own time).
@@ -65,7 +65,7 @@ print("RESULT " + json.dumps({"flops_per_round": flops, "rounds": out}))
 """
 
 
-def config_tree(method: str, group: str, data_dir: str, rounds: int) -> dict:
+def config_tree(method: str, group: str, data_dir: str, rounds: int, precision: str = "fp32") -> dict:
     return {
         "algorithm": {"name": method},
         "dataset": {"name": "mnist", "data_dir": data_dir},
@@ -73,7 +73,7 @@ def config_tree(method: str, group: str, data_dir: str, rounds: int) -> dict:
         "partition": {"scheme": "lda", "num_clients": 20, "alpha": 0.1},
         "clients_per_round": 20,
         "rounds": rounds,
-        "run": {"threads": 1, "workers": 1, "progress": False, "checkpoint_every": 0, "figures": False},
+        "run": {"threads": 1, "workers": 1, "progress": False, "checkpoint_every": 0, "figures": False, "precision": precision},
     }
 
 
@@ -84,9 +84,11 @@ def main() -> None:
     parser.add_argument("--group", default="mixed4")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--profile", metavar="METHOD")
+    # fp32 by default (HtFLlib's, and the comparison's); bf16 shows how much of the gap to the bf16 peak is precision
+    parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
     args = parser.parse_args()
     if args.profile:
-        tree = config_tree(args.profile, args.group, args.data_dir, 2)
+        tree = config_tree(args.profile, args.group, args.data_dir, 2, args.precision)
         subprocess.run([sys.executable, "-c", CHILD, json.dumps(tree), "2", "1"], check=True)
         return
 
@@ -98,16 +100,16 @@ def main() -> None:
     path = out / f"hetero-rounds-{time.strftime('%Y%m%d-%H%M%S')}.json"
     results = {}
     for method in args.methods.split(","):  # a method takes 5-8 min here: each result is written as it comes
-        tree = config_tree(method, args.group, args.data_dir, args.rounds)
+        tree = config_tree(method, args.group, args.data_dir, args.rounds, args.precision)
         done = subprocess.run([sys.executable, "-c", CHILD, json.dumps(tree), str(args.rounds), "0"], capture_output=True, text=True)
         lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
         if done.returncode != 0 or not lines:
             sys.exit(f"{method}: the child failed\n{done.stderr[-3000:]}")
         results[method] = json.loads(lines[-1][len("RESULT "):])
-        path.write_text(json.dumps({"peak_gflops_1_thread": peak, "group": args.group, "results": results}, indent=1))
+        path.write_text(json.dumps({"peak_gflops_1_thread": peak, "group": args.group, "precision": args.precision, "results": results}, indent=1))
         print(f"{method}: done ({path})", file=sys.stderr)
 
-    print(f"one-thread bf16 matmul peak here: {peak:.0f} GFLOP/s; MNIST, 20 clients of {args.group}, alpha 0.1, all in every round\n")
+    print(f"one-thread bf16 matmul peak here: {peak:.0f} GFLOP/s; MNIST, 20 clients of {args.group}, alpha 0.1, all in every round, {args.precision}\n")
     print("| method | s/round (rounds 2-%d) | of it server | GFLOP/round | GFLOP/s | %% of peak | kB up/round | personal acc. after round %d |" % (args.rounds, args.rounds))
     print("|---|---|---|---|---|---|---|---|")
     for method, result in results.items():
