@@ -282,7 +282,10 @@ def test_auto_workers_give_the_sequential_numbers_whatever_the_plan(make_config,
     from fedistill.engine import loop
     from fedistill.simulation import Simulation
 
-    sequential = Simulation(make_config(rounds=3, **{"run.workers": 1, "run.threads": 1}), digits).run()
+    from fedistill.models.flat import get_flat
+
+    here = Simulation(make_config(rounds=3, **{"run.workers": 1, "run.threads": 1}), digits)
+    sequential = here.run()
     # the header's plan, then round 1 in worker processes, round 2 in this one, round 3 in workers again; within
     # a worker round the clients at once change as clients finish
     planner = ScriptedPlanner([2, 2, 1, 2])
@@ -292,16 +295,21 @@ def test_auto_workers_give_the_sequential_numbers_whatever_the_plan(make_config,
     planned = sim.run()
     assert planner.calls == [2, 2, 1, 2] and not planner.script and planner.closed
     assert planner.in_round >= 2  # asked again as clients finished in the worker rounds
+    # two one-thread workers reproduce a one-thread sequential run bit for bit: the weights and every metric
+    assert torch.equal(get_flat(sim.server.model), get_flat(here.server.model))
     strip = [{k: v for k, v in row.items() if "seconds" not in k} for row in planned]
     assert strip == [{k: v for k, v in row.items() if "seconds" not in k} for row in sequential]
 
 
 def test_auto_workers_evaluate_personal_models_in_the_pool_like_in_this_process(make_config, digits, monkeypatch):
-    """MTFL's personalised evaluation runs through the executor too: in the planned pool, the same accuracies."""
+    """MTFL's personalised evaluation runs through the executor too: in the planned pool, the same accuracies,
+    with the private BatchNorm patches of the zoo's ResNet-8 (8 wide, as tests/test_mtfl.py) carried through the
+    workers' client state."""
     from fedistill.engine import loop
     from fedistill.simulation import Simulation
 
-    personal = {"algorithm": "mtfl", "partition.per_client_test": True, "partition.num_clients": 4, "clients_per_round": 4}
+    personal = {"algorithm": "mtfl", "partition.per_client_test": True, "partition.num_clients": 4, "clients_per_round": 4,
+                "model.name": "resnet8", "model.kwargs": {"width": 8}, "run.threads": 1}  # fmt: skip
     here = Simulation(make_config(rounds=2, **{**personal, "run.workers": 1}), digits).run()
     planner = ScriptedPlanner([2] * 5)  # every round's training and its evaluation in two processes
     monkeypatch.setattr(loop, "make_planner", lambda cfg, dataset, federation: planner)

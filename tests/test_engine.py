@@ -113,25 +113,6 @@ def test_fedavg_and_fedavgm_learn_on_label_skewed_digits(digits):
     assert_learns(digits, "fedavgm")
 
 
-@pytest.fixture
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-def test_process_pool_gives_the_numbers_of_a_sequential_run(make_config, digits, one_thread):
-    """Two one-thread workers must reproduce a one-thread sequential run bit for bit."""
-    seq = Simulation(make_config(rounds=2, **{"run.threads": 1}), digits)
-    seq.run()
-    pool = Simulation(make_config(rounds=2, **{"run.workers": 2, "run.threads": 1}), digits)
-    pool.run()
-    assert torch.equal(get_flat(seq.server.model), get_flat(pool.server.model))
-    assert [r["test_accuracy"] for r in seq.state.history] == [r["test_accuracy"] for r in pool.state.history]
-    assert [r["bytes_up"] for r in seq.state.history] == [r["bytes_up"] for r in pool.state.history]
-
-
 def test_oversubscribed_workers_are_refused(make_config, digits, monkeypatch):
     monkeypatch.setattr("os.cpu_count", lambda: 2)
     sim = Simulation(make_config(**{"run.workers": 2, "run.threads": 2}), digits)

@@ -132,12 +132,3 @@ def test_mtfl_learns_and_beats_fedavgs_global_model_on_the_clients(digits):
 
 def test_resume_is_exact_with_the_patches_in_client_state(digits, tmp_path):
     assert_resume_is_exact(digits, tmp_path, "mtfl", client_keys=("private_weights",), **{"model.name": "resnet8", "model.kwargs": {"width": 8}, **PERSONAL})
-
-
-def test_worker_processes_give_the_same_personal_accuracies(digits):
-    if __import__("os").cpu_count() < 2:
-        pytest.skip("needs two cores")
-    two = Simulation(bn_config(rounds=1, **{"run.workers": 2, "run.threads": 1}), digits).run()
-    ones = Simulation(bn_config(rounds=1, **{"run.threads": 1}), digits).run()
-    assert [r["personal_accuracies"] for r in two] == [r["personal_accuracies"] for r in ones]
-    assert len(two[-1]["personal_accuracies"]) == 4
