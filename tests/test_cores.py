@@ -280,9 +280,8 @@ class ScriptedPlanner:
 
 def test_auto_workers_give_the_sequential_numbers_whatever_the_plan(make_config, digits, monkeypatch):
     from fedistill.engine import loop
-    from fedistill.simulation import Simulation
-
     from fedistill.models.flat import get_flat
+    from fedistill.simulation import Simulation
 
     here = Simulation(make_config(rounds=3, **{"run.workers": 1, "run.threads": 1}), digits)
     sequential = here.run()
