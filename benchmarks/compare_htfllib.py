@@ -21,7 +21,8 @@ the reference's mean):
 
     python benchmarks/compare_htfllib.py --table-only --out FILE --reference-logs path/to/logs
 
-``--reference-logs`` writes what it read to ``<out>-reference.json``; without it, that file is used if present.
+``--reference-logs`` writes what it read to ``<out>-reference.json``; without it, that file is used if present, or
+the one ``--reference FILE`` names (several runs of ours against the same reference rows share one file).
 
 The reference side's procedure (the local edits to HtFLlib and its commands) is written out in
 benchmarks/RESULTS.md, "The class-statistics family against HtFLlib's code".
@@ -211,10 +212,13 @@ def main() -> None:
     parser.add_argument("--batch-order", choices=["shuffled", "sequential"], default="shuffled",
                         help="sequential: HtFLlib's order (stored order, last partial batch dropped) for a like-for-like run")
     parser.add_argument("--reference-logs", type=Path, help="the reference runs' logs (<NAME>_seed<S>.log)")
+    parser.add_argument("--reference", type=Path, help="the reference rows to compare with (default <out>-reference.json)")
     parser.add_argument("--table-only", action="store_true", help="run nothing; print the tables of --out")
     args = parser.parse_args()
+    if args.reference is not None and args.reference_logs is not None:
+        parser.error("--reference and --reference-logs: give one (the logs are read into <out>-reference.json)")
     if args.table_only:
-        return print_tables(Path(args.out), args.reference_logs)
+        return print_tables(Path(args.out), args.reference_logs, args.reference)
     if not args.data_dir:
         parser.error("--data-dir is required unless --table-only")
     out = Path(args.out)
@@ -231,13 +235,15 @@ def main() -> None:
                 continue  # finished in an earlier invocation
             results.setdefault(method, {})[str(seed)] = run_one(method, args.data_dir, args.rounds, seed, args.batch_order)
             out.write_text(json.dumps(results, indent=1))
-    print_tables(out, args.reference_logs)
+    print_tables(out, args.reference_logs, args.reference)
 
 
-def print_tables(out: Path, reference_logs: Path | None) -> None:
+def print_tables(out: Path, reference_logs: Path | None, reference: Path | None = None) -> None:
     ours = {m: r for m, r in json.loads(out.read_text()).items() if not m.startswith("_")}
     print(table(ours))
-    reference_file = out.with_name(out.stem + "-reference.json")
+    reference_file = reference or out.with_name(out.stem + "-reference.json")
+    if reference is not None and not reference.is_file():
+        raise SystemExit(f"--reference {reference}: no such file")
     if reference_logs is not None:
         reference_file.write_text(json.dumps(read_reference_logs(reference_logs), indent=1))
     if reference_file.exists():
