@@ -5,6 +5,7 @@ HtFLlib is the reference, run outside the project and never vendored: clone it, 
     python path/to/benchmarks/htfllib/apply_edits.py            # edits 1-7 (FedProto, FedGH, FedTGP, FD at HEAD,
                                                                 # FML, LG-FedAvg, FedKD, FedMRL)
     python path/to/benchmarks/htfllib/apply_edits.py --fd-soft  # also edit 8, in a second clone, for FD
+    python path/to/benchmarks/htfllib/apply_edits.py --keep-state DIR  # also edit 9 (a FedTGP diagnostic)
 
 Every edit asserts that its anchor (one line of HtFLlib's code) is present exactly once, so a moved upstream fails
 loudly instead of running something else. spec/experiments-hetero.md §5.1 says why each edit is there.
@@ -75,3 +76,13 @@ if "--fd-soft" in sys.argv[1:]:
     edit("flcore/clients/clientfd.py", "loss += self.loss(output, logit_new) * self.lamda",
          "loss += self.loss(output, logit_new.softmax(dim=1)) * self.lamda  # edit 8", count=2)
     print("edit 8 applied")
+# 9. (--keep-state DIR, FedTGP only; a diagnostic, not for the comparison's runs) after each evaluation i, copy the
+#    run's saved items (every client's model and uploaded prototypes, the server's TGP and global prototypes) to
+#    DIR/r<i>, which the run otherwise deletes at its end: benchmarks/htfllib/fedtgp_round2_cross.py reads them.
+if "--keep-state" in sys.argv[1:]:
+    keep = Path(sys.argv[sys.argv.index("--keep-state") + 1]).resolve()
+    edit("flcore/servers/servertgp.py", "                self.evaluate()\n",
+         "                self.evaluate()\n"
+         f"                import shutil; shutil.copytree(self.save_folder_name, '{keep}/r' + str(i), "
+         "dirs_exist_ok=True)  # edit 9\n")
+    print(f"edit 9 applied (state kept under {keep})")
