@@ -618,7 +618,7 @@ def test_fake_grid_federated_distillation_equals_the_simulation(tmp_path, keep_t
         assert state.keys() == sim_state.keys() and state["setup_sent"] is True
         assert torch.equal(state["model"], sim_state["model"]) and torch.equal(state["momentum"], sim_state["momentum"])
 
-# ============ own models and class statistics or a shared part (local_only, fd, fedproto, fedgh, fedtgp, lg_fedavg, fml, fedmrl, fedkd)
+# ============ own models and class statistics or a shared part (local_only, fd, fedproto, fedgh, fedtgp, lg_fedavg, fml, fedmrl, fedkd, fedgen htfllib)
 @pytest.mark.parametrize(
     "algorithm, clients",
     [
@@ -631,7 +631,10 @@ def test_fake_grid_federated_distillation_equals_the_simulation(tmp_path, keep_t
         ("fml", ["digits_cnn", "resnet8", "logistic"]),  # the meme both ways, the private models in context.state
         ("fedmrl", ["digits_cnn", "resnet8", "logistic"]),  # the shared small model both ways, fused on the clients
         ("fedkd", ["digits_cnn", "resnet8", "logistic"]),  # the mentee's SVD factors both ways (empty ones at rank 0)
+        # a head, n_k and counts up; the averaged head, the generator and the summed counts down (HtFLlib's FedGen)
+        ({"name": "fedgen", "variant": "htfllib", "hidden_dim": 32}, ["digits_cnn", "resnet8", "logistic"]),
     ],
+    ids=lambda value: (value if isinstance(value, str) else f"{value['name']}-{value['variant']}") if not isinstance(value, list) else "",
 )
 def test_fake_grid_own_model_methods_equal_the_simulation(tmp_path, keep_threads, task_identity, algorithm, clients):
     """Three architectures, two rounds, over Flower's transport encoding: the rows (personal accuracies, bytes from

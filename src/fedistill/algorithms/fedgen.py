@@ -30,6 +30,7 @@ initial weights from ``derive_seed(seed, FEDGEN, 0)``; a client's generated samp
 
 from __future__ import annotations
 
+import copy
 import time
 from typing import Any, Literal
 
@@ -47,7 +48,7 @@ from ..losses import (
     qualified_labels,
 )
 from ..models.flat import float_state, set_flat
-from ..models.generators import FeatureGenerator
+from ..models.generators import FeatureGenerator, draw_noise
 from ..registry import ALGORITHMS
 from .base import ClientContext, Message, RoundInfo, ServerContext
 from .fedavg import FedAvg, FedAvgParams
@@ -59,6 +60,11 @@ ADAM_KEYS = ("fedgen_adam_exp_avg", "fedgen_adam_exp_avg_sq", "fedgen_adam_step"
 
 
 class FedGenParams(FedAvgParams):
+    variant: Literal["paper", "htfllib"] = Field(
+        "paper",
+        description="paper: whole models averaged, one architecture (the paper's and its code's); htfllib: HtFLlib's "
+        "heterogeneous form, own extractors, a shared head and the generator (card §8; its defaults are HtFLlib's)",
+    )
     # generator (card §5, MNIST config; the feature size L is the model's, the head's input size)
     noise_dim: int = Field(32, ge=1, description="d, noise size (MNIST/EMNIST 32, CIFAR 64)")
     hidden_dim: int = Field(256, ge=1, description="H, hidden width (MNIST/EMNIST 256, CIFAR 512)")
@@ -88,6 +94,24 @@ class FedGenParams(FedAvgParams):
     )
 
 
+def htfllib_defaults(tree: dict[str, Any]) -> dict[str, Any]:
+    """``variant: htfllib``'s defaults (spec/fedgen.md §8): HtFLlib's client settings (SGD 0.01, batch 10, one epoch,
+    per-client test splits) and the flags of its pre-tuned ``total.sh`` FedGen line (``-nd 32 -glr 0.1 -hd 512 -se
+    100``), the generator's batches the client batch size (``self.batch_size`` on both sides), U[0,1) noise, a
+    fresh Adam without decay, the generative CE at weight 1 and no latent KL, counts from the datasets."""
+    from .hetero import HTFLLIB_DEFAULTS
+
+    local = tree.get("local") if isinstance(tree.get("local"), dict) else {}
+    batch = local.get("batch_size", HTFLLIB_DEFAULTS["local"]["batch_size"])
+    algorithm = {
+        "noise_dim": 32, "hidden_dim": 512, "noise": "uniform", "generator_steps": 100, "generator_batch_size": batch,
+        "generator_lr": 0.1, "generator_weight_decay": 0.0, "generator_lr_decay": 1.0, "eta_ens": 0.0,
+        "generative_alpha": 1.0, "generative_beta": 0.0, "coefficient_decay": 1.0, "gen_batch_size": batch,
+        "label_counts": "dataset",
+    }  # fmt: skip
+    return {**copy.deepcopy(HTFLLIB_DEFAULTS), "algorithm": algorithm}
+
+
 def head_slices(model: nn.Module) -> tuple[slice, slice]:
     """Where ``model.classifier.weight`` and ``.bias`` sit in the model's flat vector (models/flat.py order)."""
     head = getattr(model, "classifier", None)
@@ -102,25 +126,35 @@ def head_slices(model: nn.Module) -> tuple[slice, slice]:
     return found[id(head.weight)], found[id(head.bias)]
 
 
-def draw_noise(n: int, dim: int, law: str, generator: torch.Generator) -> torch.Tensor:
-    if law == "gaussian":
-        return torch.randn(n, dim, generator=generator)
-    return torch.rand(n, dim, generator=generator)
-
-
 @ALGORITHMS.register("fedgen")
 class FedGen(FedAvg):
-    """FedGen: FedAvg whose clients are regularised by a generator the server learns from their heads."""
+    """FedGen: clients regularised by a generator the server learns from their heads (htfllib variant: a shared head).
+
+    The paper's form is FedAvg with the generator; ``variant: htfllib`` builds HtFLlib's heterogeneous form instead
+    (fedgen_heads.py: clients keep their own extractors and share the head)."""
 
     name = "fedgen"
     Params = FedGenParams
+
+    def __new__(cls, params: FedGenParams | None = None, local: Any = None) -> Any:
+        """``variant: htfllib`` builds HtFLlib's heterogeneous form instead (fedgen_heads.py), a method of its own
+        that shares no code path with this one but the generator and the noise."""
+        if cls is FedGen and params is not None and params.variant == "htfllib":
+            from .fedgen_heads import FedGenHeads
+
+            return FedGenHeads(params, local)
+        return super().__new__(cls)
 
     @classmethod
     def config_defaults(cls, tree: dict[str, Any]) -> dict[str, Any]:
         """Plain SGD on the clients (spec/fedgen.md §5, the code's pFedIBOptimizer): with the run's default
         momentum 0.9 and α₀ = β₀ = 10 the regularised clients collapse to chance from round 2 (benchmarks/
         RESULTS.md, DaFKD's reduced Table 1; the 2-round bench sizing on MNIST: 9.99 %). A run that sets
-        local.momentum keeps it."""
+        local.momentum keeps it. ``variant: htfllib``: HtFLlib's client defaults and its pre-tuned FedGen flags
+        (card §8)."""
+        section = tree.get("algorithm")
+        if isinstance(section, dict) and section.get("variant") == "htfllib":
+            return htfllib_defaults(tree)
         return {"local": {"momentum": 0.0}}
 
     def __init__(self, params: FedGenParams, local: Any) -> None:

@@ -29,6 +29,7 @@ LG_FEDAVG = 12  # LG-FedAvg's initial global head
 SHARED_MODEL = 13  # the initial weights of the shared model beside the clients' own (Exchange.shared_model: FML's meme)
 FEDMRL = 14  # FedMRL's per-client initial projector P_k^0 (round coordinate 0)
 FEDKD = 15  # FedKD's per-client initial hidden map W_h (round coordinate 0)
+FEDGEN_HEAD = 16  # the initial global head of FedGen's heterogeneous form (variant htfllib)
 
 
 def derive_seed(seed: int, *coords: int) -> int:

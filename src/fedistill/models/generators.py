@@ -251,3 +251,11 @@ class FeatureGenerator(nn.Module):
         onehot = F.one_hot(y, self.num_classes).to(eps.dtype)
         h = F.relu(self.bn(self.fc1(torch.cat([eps, onehot], dim=1))))
         return self.fc2(h)
+
+
+def draw_noise(n: int, dim: int, law: str, generator: torch.Generator) -> torch.Tensor:
+    """The noise ε of a :class:`FeatureGenerator`: N(0, I) (``"gaussian"``, FedGen's paper) or U[0,1) (``"uniform"``,
+    its official code's and HtFLlib's draw under a "Gaussian" comment; spec/fedgen.md ambiguity 1)."""
+    if law == "gaussian":
+        return torch.randn(n, dim, generator=generator)
+    return torch.rand(n, dim, generator=generator)
