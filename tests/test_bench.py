@@ -223,14 +223,20 @@ def test_bad_suites_are_one_clear_error(tmp_path):
 
 
 def test_shipped_suites_validate_every_cell():
-    """fd-mnist and fd-fmnist (run here) and the paper-scale CIFAR suites (for GPUs): every method, every setting,
-    every seed builds its configuration; methods left out mean every registered one on its card defaults."""
+    """fd-mnist and fd-fmnist (run here), the paper-scale CIFAR suites (for GPUs) and the heterogeneous-model
+    suites: every method, every setting, every seed builds its configuration; methods left out mean every
+    registered one on its card defaults; the fd-hetero suites list the methods that train a model group."""
     names = [name for name, _ in available_suites()]
-    assert {"fd-mnist", "fd-fmnist", "fd-cifar10", "fd-cifar100"} <= set(names)
+    assert {"fd-mnist", "fd-fmnist", "fd-cifar10", "fd-cifar100", "fd-hetero-mnist", "fd-hetero-fmnist"} <= set(names)
     for name in names:
         suite = load_suite(name)
         cells = suite_cells(suite, Path("unused"))
         assert cells and all(c.why_not is None for c in cells), [(c.method, c.why_not) for c in cells if c.why_not]
+        if name.startswith("fd-hetero"):
+            assert {c.method for c in cells} == {"local_only", "fd", "fedproto", "fedgh", "fedtgp", "lg_fedavg", "fedgen", "fml", "fedkd", "fedmrl"}
+            assert all(c.config.model.group == "mixed4" and c.config.clients_per_round == 20 for c in cells)
+            assert {c.config.algorithm.variant for c in cells if c.method == "fedgen"} == {"htfllib"}
+            continue
         pfedme = next(c for c in cells if c.method == "pfedme")
         assert pfedme.config.local.momentum == 0.0  # the card's value wins over the protocol's momentum
         fedict = next(c for c in cells if c.method == "fedict")
