@@ -72,6 +72,10 @@ def test_resnet18_imagenet_stem_matches_fedftg_counts(classes, expected):
 
 def test_other_parameter_counts():
     assert build_model("digits_cnn", (1, 8, 8), 10).num_parameters() == 38_282
+    # FedProto's CNNMnist: conv 1->10 5x5 (260), conv 10->20 5x5 (5,020), unpadded so 20 x 4 x 4 = 320 -> fc 50
+    # (16,050), head 50 -> 10 (510)
+    fedproto = build_model("fedproto_cnn", (1, 28, 28), 10)
+    assert fedproto.num_parameters() == 260 + 5_020 + 16_050 + 510 and fedproto.fc1.in_features == 320
     mlp_count = 784 * 200 + 200 + 200 * 200 + 200 + 200 * 10 + 10
     assert build_model("mlp", (1, 28, 28), 10).num_parameters() == mlp_count
     assert build_model("resnet8", (3, 32, 32), 10).num_parameters() == 78_042

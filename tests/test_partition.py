@@ -612,3 +612,47 @@ def test_stats_iid_vs_uniform():
     assert stats["classes_min"] == 10
     assert stats["entropy_mean"] > 0.95 * np.log(10)
     assert stats["size_std"] == 0.0
+
+
+# ------------------------------------------------------------------------------------------- nway_kshot
+def test_nway_kshot_draws_fedprotos_ways_and_shots_and_never_shares_a_sample():
+    """FedProto's MNIST setting, ways 3, shots 100, stdev 2 (spec/fedproto.md §9): every client holds n_k classes
+    with n_k in [max(2, 3 - 2), min(10 - 1, 3 + 2)] = [2, 5] (each value drawn over 100 clients) and exactly k_k of
+    each, k_k in [100 - 2 + 1, 100 + 2 - 2] = {99, 100}; no sample is held twice; the rest of the set is unused."""
+    labels = np.repeat(np.arange(10), 7000)
+    parts = partition_module.nway_kshot(labels, 100, 3, ways=3, shots=100, stdev=2)
+    counts = class_counts(parts, labels, 10)
+    held = (counts > 0).sum(1)
+    assert set(held.tolist()) == {2, 3, 4, 5}
+    for row in counts:
+        assert len(set(row[row > 0].tolist())) == 1 and int(row[row > 0][0]) in (99, 100)
+    everything = np.concatenate(parts)
+    assert np.unique(everything).size == everything.size < labels.size
+
+
+def test_nway_kshot_refuses_an_empty_draw_or_too_few_samples_in_one_line():
+    labels = np.repeat(np.arange(10), 700)
+    with pytest.raises(ConfigError, match="partition.stdev: k-shot draws from .* which needs stdev >= 2"):
+        partition_module.nway_kshot(labels, 5, 0, ways=3, shots=100, stdev=1)
+    with pytest.raises(PartitionError, match="holders need .* lower partition.shots or the number of clients"):
+        partition_module.nway_kshot(labels, 40, 0, ways=5, shots=100, stdev=2)
+    with pytest.raises(ConfigError, match="partition.ways"):
+        partition_module.nway_kshot(np.repeat(np.arange(2), 700), 2, 0, ways=3, shots=100, stdev=2)
+
+
+def test_nway_kshot_from_the_config_and_its_keys_refused_elsewhere():
+    """partition.ways / shots / stdev reach the scheme through the run's config (a run's clients hold 2-5 classes of
+    99 or 100 images of the digits); ways is required by nway_kshot and refused by the other schemes, in one line."""
+    from conftest import _digits, small_config
+
+    from fedistill.engine.federation import build_federation
+
+    cfg = small_config(**{"partition.scheme": "nway_kshot", "partition.ways": 3, "partition.shots": 12, "partition.stdev": 2,
+                          "partition.num_clients": 5, "partition.alpha": None})  # fmt: skip
+    federation = build_federation(cfg, _digits())
+    counts = class_counts([ix.numpy() for ix in federation.train_indices], _digits().train_y.numpy(), 10)
+    assert all(2 <= int((row > 0).sum()) <= 5 and set(row[row > 0].tolist()) <= {11, 12} for row in counts)
+    with pytest.raises(ConfigError, match="partition.ways: required by the nway_kshot scheme"):
+        small_config(**{"partition.scheme": "nway_kshot", "partition.alpha": None})
+    with pytest.raises(ConfigError, match="partition.shots: only used by the nway_kshot scheme, not lda"):
+        small_config(**{"partition.shots": 10})

@@ -147,6 +147,9 @@ class PartitionConfig(_Section):
     shards_per_client: int | None = Field(None, ge=1, description="shards scheme")
     min_size: int | None = Field(None, ge=1, description="lda: minimum samples per client (default 10); empty clients are not allowed")
     max_retries: int | None = Field(None, ge=1, description="lda: redraw budget before giving up (default: automatic)")
+    ways: int | None = Field(None, ge=1, description="nway_kshot: the classes a client holds on average (FedProto's n)")
+    shots: int | None = Field(None, ge=1, description="nway_kshot: the samples of each held class (default 100)")
+    stdev: int | None = Field(None, ge=0, description="nway_kshot: the spread of the ways and shots drawn per client (default 2)")
     per_client_test: bool = Field(False, description="split the test set per client following train proportions")
     seed: int | None = Field(None, ge=0, description="partition seed (default: the run seed)")
 
@@ -382,6 +385,11 @@ class Config(_Section):
         for key in ("min_size", "max_retries"):
             if getattr(p, key) is not None and p.scheme != "lda":
                 raise ValueError(f"partition.{key}: only used by the lda scheme, not {p.scheme}")
+        if p.scheme == "nway_kshot" and p.ways is None:
+            raise ValueError("partition.ways: required by the nway_kshot scheme (FedProto's n, e.g. 3)")
+        for key in ("ways", "shots", "stdev"):
+            if getattr(p, key) is not None and p.scheme != "nway_kshot":
+                raise ValueError(f"partition.{key}: only used by the nway_kshot scheme, not {p.scheme}")
         if self.dataset.name == "npz_federation":
             # The files are the clients and each test file is its client's own split: what the run uses unless
             # the user said otherwise (an explicit other scheme is refused below; per_client_test false tests the

@@ -15,6 +15,7 @@ name                 params                                spec
 ``lda``              ``alpha``, ``min_size=10``,           experiments-fedlmd.md §2 "LDA / Dirichlet",
                      ``max_retries=None``                  experiments-fedict.md §3, DaFKD (min 100)
 ``client_dirichlet`` ``alpha``                             experiments-fedftg-dafkd.md §A (FedFTG/FedDyn)
+``nway_kshot``       ``ways``, ``shots=100``, ``stdev=2``  spec/fedproto.md §9 (FedProto's MNIST setting)
 ``natural``          (none)                                the dataset's own clients (synthetic, npz_federation)
 ==================== ===================================== =========================================
 
@@ -537,6 +538,61 @@ def client_dirichlet(train_labels: np.ndarray, num_clients: int, seed: int, *, a
     for c, idx in enumerate(class_idx):
         indices[pos : pos + idx.size] = rng.permutation(idx)
         owner[pos : pos + idx.size] = np.repeat(np.arange(k), counts[:, c])
+        pos += idx.size
+    return _group(indices, owner, k, rng)
+
+
+@PARTITIONS.register("nway_kshot")
+def nway_kshot(train_labels: np.ndarray, num_clients: int, seed: int, *, ways: int, shots: int = 100, stdev: int = 2) -> list[np.ndarray]:
+    """FedProto's "n-way k-shot" label skew (spec/fedproto.md §9; the authors' ``mnist_noniid`` and the draws of
+    their ``federated_main.py``): client k holds ``n_k`` classes drawn uniformly without replacement, each with
+    ``k_k`` samples, every sample held by one client at most (the rest of the training set is unused).
+
+    ``n_k`` is uniform on ``[max(2, ways − stdev), min(C − 1, ways + stdev)]`` (the code's ``randint(max(2, ways −
+    stdev), min(C, ways + stdev + 1))``) and ``k_k`` uniform on ``[shots − stdev + 1, shots + stdev − 2]`` (its
+    MNIST rule, ``randint(shots − stdev + 1, shots + stdev − 1)``: for shots 100 and stdev 2, 99 or 100).
+    Within a class the holders take consecutive blocks of one random order of its samples (the code takes
+    windows of a label-sorted index, ``i * 110`` apart).
+
+    Raises ConfigError for a draw range that is empty and PartitionError when a class has fewer samples than its
+    holders need.
+    """
+    labels, k = _check_common(train_labels, num_clients)
+    ways = _check_int("ways", ways, 1)
+    shots = _check_int("shots", shots, 1)
+    stdev = _check_int("stdev", stdev, 0)
+    rng = _rng(seed)
+    classes, class_idx = _class_index_lists(labels)
+    num_classes = classes.size
+    ways_low, ways_high = max(2, ways - stdev), min(num_classes - 1, ways + stdev)
+    shots_low, shots_high = shots - stdev + 1, shots + stdev - 2
+    if ways_low > ways_high:
+        raise ConfigError(
+            f"{_key('ways')}: n-way draws from [max(2, ways - stdev), min(C - 1, ways + stdev)] = [{ways_low}, "
+            f"{ways_high}] with {num_classes} classes, which is empty; lower partition.ways or raise partition.stdev"
+        )
+    if shots_low > shots_high or shots_low < 1:
+        raise ConfigError(
+            f"{_key('stdev')}: k-shot draws from [shots - stdev + 1, shots + stdev - 2] = [{shots_low}, {shots_high}] "
+            "(FedProto's MNIST rule), which needs stdev >= 2 and shots >= stdev; got "
+            f"shots={shots}, stdev={stdev}"
+        )
+    ways_drawn = rng.integers(ways_low, ways_high + 1, size=k)
+    shots_drawn = rng.integers(shots_low, shots_high + 1, size=k)
+    held = [np.sort(rng.choice(num_classes, size=int(n), replace=False)) for n in ways_drawn]
+    indices = np.empty(labels.size, dtype=np.int64)
+    owner = np.full(labels.size, -1, dtype=np.int64)
+    pos = 0
+    for c, idx in enumerate(class_idx):
+        holders = [j for j in range(k) if c in held[j]]
+        need = int(sum(shots_drawn[j] for j in holders))
+        if need > idx.size:
+            raise PartitionError(
+                f"nway_kshot: class {classes[c]} has {idx.size} samples but its {len(holders)} holders need {need} "
+                f"({shots_low}-{shots_high} each); lower partition.shots or the number of clients"
+            )
+        indices[pos : pos + idx.size] = rng.permutation(idx)
+        owner[pos : pos + need] = np.repeat(np.array(holders, dtype=np.int64), [int(shots_drawn[j]) for j in holders])
         pos += idx.size
     return _group(indices, owner, k, rng)
 

@@ -130,6 +130,8 @@ def build_federation(cfg: Config, dataset: Dataset) -> Federation:
             params[key] = getattr(p, key)
     if p.scheme == "shards":
         params["shards_per_client"] = p.shards_per_client
+    if p.scheme == "nway_kshot":
+        params.update({key: getattr(p, key) for key in ("ways", "shots", "stdev") if getattr(p, key) is not None})
     part = make_partition(
         p.scheme,
         dataset.train_y.numpy(),

@@ -146,6 +146,23 @@ def cnn(
     return FedAvgNet(input_shape, num_classes, channels=channels, hidden=hidden)
 
 
+class FedProtoCNN(FedAvgNet):
+    """FedProto's MNIST model, the authors' ``CNNMnist`` (spec/fedproto.md §9): our ``cnn`` with unpadded
+    convolutions of 10 and 20 channels and a 50-wide ``fc1`` (the prototype dimension), 21,840 parameters for 10
+    classes; its two dropouts are left out."""
+
+    zoo_name = "fedproto_cnn"
+    padding = 0
+
+
+@MODELS.register("fedproto_cnn")
+def fedproto_cnn(
+    input_shape: Sequence[int], num_classes: int, channels: Sequence[int] = (10, 20), hidden: int = 50
+) -> FedProtoCNN:
+    """FedProto's MNIST CNN: 2x (unpadded 5x5 conv + ReLU + 2x2 max-pool; 10, 20 channels), fc 50 + ReLU, linear."""
+    return FedProtoCNN(input_shape, num_classes, channels=channels, hidden=hidden)
+
+
 @MODELS.register("digits_cnn")
 def digits_cnn(
     input_shape: Sequence[int], num_classes: int, channels: Sequence[int] = (16, 32), hidden: int = 64
