@@ -1,0 +1,111 @@
+"""Cohort training (engine/cohort.py, issue 66 items 1-2): K clients stacked into one batched step equal K
+sequential steps of the engine's own step (``eager_sgd_step`` with the fused SGD ``local_sgd`` builds), within the
+tolerance of a reordered float sum. The clients differ in size (different numbers of steps, partial last batches);
+an inactive client's weights and momentum must not move, a padded row must not count in the mean, and a
+wrong sign, a missing weight decay or momentum term, or a wrong normaliser fails these tests."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fedistill.algorithms.local import fused
+from fedistill.engine.cohort import cohort_sgd, flat_layout, proximal_term
+from fedistill.engine.cuda_graphs import eager_sgd_step
+from fedistill.models import build_model
+from fedistill.models.flat import get_flat, set_flat
+
+SIZES = [45, 16, 29]  # three clients: 3, 1 and 2 batches of 16, two of them ending in a partial batch
+
+
+def client_batches(seed: int, batch_size: int = 16, epochs: int = 1) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for n in SIZES:
+        x, y = torch.randn(n, 1, 8, 8, generator=g), torch.randint(0, 10, (n,), generator=g)
+        batches = []
+        for _ in range(epochs):
+            order = torch.randperm(n, generator=g)
+            batches += [(x[order[s : s + batch_size]], y[order[s : s + batch_size]]) for s in range(0, n, batch_size)]
+        out.append(batches)
+    return out
+
+
+def sequential(model, weights, batches, lr, momentum=0.0, weight_decay=0.0, extra_loss=None):
+    """Each client alone, as local_sgd trains it: a fresh fused SGD, the engine's eager step per batch."""
+    rows, losses = [], []
+    for w, client in zip(weights, batches):
+        set_flat(model, w)
+        optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay, **fused(torch.device("cpu")))
+        total = 0.0
+        for x, y in client:
+            total += float(eager_sgd_step(model, optimizer, x, y, "fp32", None, extra_loss=extra_loss).detach()) * y.shape[0]
+        rows.append(get_flat(model))
+        losses.append(total)
+    return torch.stack(rows), torch.tensor(losses, dtype=torch.float64)
+
+
+def starts(model, k=3):
+    g = torch.Generator().manual_seed(7)
+    base = get_flat(model)
+    return torch.stack([base + 0.01 * torch.randn(base.shape, generator=g) for _ in range(k)])
+
+
+def test_one_step_of_three_clients_equals_three_sequential_steps():
+    """One batch each (sizes 16, 16 and 13: a padded client): the same weights as three eager steps, up to a
+    reordered float sum (largest relative difference printed by the assertion on failure)."""
+    model = build_model("digits_cnn", (1, 8, 8), 10)
+    weights = starts(model)
+    batches = [[client[0]] for client in client_batches(0)]
+    batches[2] = [(batches[2][0][0][:13], batches[2][0][1][:13])]
+    result = cohort_sgd(model, weights, batches, lr=0.1, momentum=0.9, weight_decay=1e-3)
+    expected, losses = sequential(model, weights, batches, lr=0.1, momentum=0.9, weight_decay=1e-3)
+    difference = float(((result.weights - expected).abs() / expected.abs().clamp_min(1e-3)).max())
+    assert difference < 1e-5, difference
+    torch.testing.assert_close(result.loss_sum, losses, rtol=1e-6, atol=0)
+    assert result.steps.tolist() == [1, 1, 1] and result.samples_seen.tolist() == [16, 16, 13] and result.padded_slots == 0
+
+
+def test_clients_of_different_sizes_over_two_epochs_with_momentum_stay_with_the_sequential_path():
+    """Two epochs of 3, 1 and 2 batches (partial last batches) with momentum 0.9 and weight decay: every client
+    within 1e-4 relative of its sequential run; the short clients' rows, momentum and loss sums frozen while the
+    longest trains on (6 slots, 6 + 2 + 4 steps, 6 padded)."""
+    model = build_model("digits_cnn", (1, 8, 8), 10)
+    weights = starts(model)
+    batches = client_batches(1, epochs=2)
+    result = cohort_sgd(model, weights, batches, lr=0.05, momentum=0.9, weight_decay=1e-4)
+    expected, losses = sequential(model, weights, batches, lr=0.05, momentum=0.9, weight_decay=1e-4)
+    for k in range(3):
+        torch.testing.assert_close(result.weights[k], expected[k], rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(result.loss_sum, losses, rtol=1e-5, atol=0)
+    assert result.steps.tolist() == [6, 2, 4] and result.padded_slots == 6
+    assert result.samples_seen.tolist() == [2 * n for n in SIZES]
+    assert not torch.allclose(result.weights[1], weights[1])
+
+
+def test_the_proximal_term_batches_with_the_clients_global_weights():
+    """FedProx's (μ/2)‖w − w_g‖² as a cohort term equals the sequential step with the same term (μ = 0.5, each
+    client's own w_g row)."""
+    model = build_model("digits_cnn", (1, 8, 8), 10)
+    weights = starts(model)
+    anchors = starts(model) * 0.5
+    batches = client_batches(2)
+    result = cohort_sgd(model, weights, batches, lr=0.05, momentum=0.5, extra_loss=proximal_term(0.5), fixed={"global": anchors})
+    rows = []
+    for k in range(3):
+        anchor = anchors[k]
+
+        def prox(model, x, y, logits, features, anchor=anchor):
+            flat = torch.cat([p.reshape(-1) for p in model.parameters()])
+            return 0.25 * (flat - anchor).pow(2).sum()
+
+        rows.append(sequential(model, weights[k : k + 1], batches[k : k + 1], lr=0.05, momentum=0.5, extra_loss=prox)[0][0])
+    for k in range(3):
+        torch.testing.assert_close(result.weights[k], rows[k], rtol=1e-4, atol=1e-6)
+    plain = cohort_sgd(model, weights, batches, lr=0.05, momentum=0.5)
+    assert not torch.allclose(plain.weights, result.weights, rtol=1e-4, atol=1e-6)
+
+
+def test_a_model_with_batchnorm_statistics_is_refused():
+    with pytest.raises(ValueError, match="BatchNorm"):
+        flat_layout(build_model("resnet8", (1, 8, 8), 10))
