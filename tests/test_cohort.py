@@ -109,3 +109,62 @@ def test_the_proximal_term_batches_with_the_clients_global_weights():
 def test_a_model_with_batchnorm_statistics_is_refused():
     with pytest.raises(ValueError, match="BatchNorm"):
         flat_layout(build_model("resnet8", (1, 8, 8), 10))
+
+
+# -------------------------------------------------------------------- run.cohort: the executor (issue 66, item 1)
+def cohort_run(algorithm: str, cohort, digits, **overrides):
+    from conftest import small_config
+
+    from fedistill.simulation import Simulation
+
+    cfg = small_config(**{"algorithm.name": algorithm, "run.workers": 1, "run.cohort": cohort, "local.momentum": 0.9,
+                          "local.batch_size": 20, "rounds": 3, **overrides})  # fmt: skip
+    sim = Simulation(cfg, digits)
+    return sim, sim.run()
+
+
+@pytest.mark.parametrize("algorithm", ["fedavg", "fedprox"])
+def test_a_cohort_run_keeps_the_sequential_runs_weights_and_accuracy(digits, algorithm):
+    """Three rounds of three clients of different sizes (partial last batches), momentum 0.9: the global model
+    within 1e-4 relative of the sequential run's (entries above 1e-3), the accuracy within 0.1 point, the
+    training loss within 1e-6 relative, the bytes the same."""
+    sequential_sim, expected = cohort_run(algorithm, None, digits)
+    cohort_sim, history = cohort_run(algorithm, 3, digits)
+    assert type(cohort_sim.executor).__name__ == "CohortExecutor"
+    a, b = get_flat(sequential_sim.server.model), get_flat(cohort_sim.server.model)
+    assert float(((a - b).abs() / a.abs().clamp_min(1e-3)).max()) < 1e-4
+    for mine, theirs in zip(history, expected):
+        assert abs(mine["test_accuracy"] - theirs["test_accuracy"]) <= 0.1
+        assert mine["train_loss"] == pytest.approx(theirs["train_loss"], rel=1e-6)
+        assert (mine["bytes_up"], mine["bytes_down"]) == (theirs["bytes_up"], theirs["bytes_down"])
+
+
+def test_a_method_whose_step_cannot_batch_trains_sequentially_under_run_cohort(digits):
+    """FedNTD adds a distillation term it does not declare as a cohort term: under run.cohort its clients take the
+    sequential path, so the run equals the sequential one bit for bit."""
+    sequential_sim, expected = cohort_run("fedntd", None, digits)
+    cohort_sim, history = cohort_run("fedntd", 3, digits)
+    assert torch.equal(get_flat(sequential_sim.server.model), get_flat(cohort_sim.server.model))
+    strip = lambda h: [{k: v for k, v in r.items() if not k.endswith("seconds")} for r in h]  # noqa: E731
+    assert strip(history) == strip(expected)
+
+
+def test_a_cohort_run_resumes_bit_for_bit(digits, tmp_path):
+    from conftest import assert_resume_is_exact
+
+    assert_resume_is_exact(digits, tmp_path, {"name": "fedprox"}, **{"run.workers": 1, "run.cohort": 2, "local.momentum": 0.9})
+
+
+def test_run_cohort_refuses_what_it_cannot_do_in_one_line(digits):
+    from conftest import small_config
+
+    from fedistill.errors import ConfigError
+    from fedistill.simulation import Simulation
+
+    with pytest.raises(ConfigError, match="run.cohort: .*BatchNorm"):
+        sim = Simulation(small_config(**{"run.workers": 1, "run.cohort": 2, "model.name": "resnet8"}), digits)
+        sim.run()
+    with pytest.raises(ConfigError, match="a cohort trains in this process"):
+        small_config(**{"run.workers": 2, "run.cohort": 2})
+    with pytest.raises(ConfigError, match="run.cohort"):
+        small_config(**{"run.cohort": 1})

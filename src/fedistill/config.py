@@ -263,6 +263,13 @@ class RunConfig(_Section):
         "graph_key), batch making included, from a captured CUDA graph: one launch per step instead of about a hundred "
         "(needs a cuda device)",
     )
+    cohort: int | None = Field(
+        None,
+        ge=2,
+        description="train a round's clients of one architecture K at a time as one batched step (engine/cohort.py; "
+        "methods that declare a batchable client step, models without BatchNorm statistics; in this process). A GPU "
+        "lever: on a CPU the batched step is slower; unset = one client after another",
+    )
     threads: int | None = Field(
         None,
         ge=1,
@@ -320,6 +327,10 @@ class RunConfig(_Section):
     def _graphs_need_cuda(self) -> "RunConfig":
         if self.cuda_graphs and not self.device.startswith("cuda"):
             raise ValueError(f"cuda_graphs needs a CUDA device, and run.device is {self.device!r}: set run.device=cuda or drop run.cuda_graphs")
+        if self.cohort is not None and self.cuda_graphs:
+            raise ValueError("cohort: a cohort step is one batched call per step already; drop run.cuda_graphs or run.cohort")
+        if self.cohort is not None and self.workers not in ("auto", 1):
+            raise ValueError(f"cohort: a cohort trains in this process; run.workers is {self.workers}: set run.workers=1")
         return self
 
 

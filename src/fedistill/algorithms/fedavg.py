@@ -194,12 +194,28 @@ class FedAvg(Algorithm):
             grad_clip=self.params.grad_clip,
             graph_key=self.graph_key(client, msg),  # after the hooks: it describes the closures they built
         )
+        return self.reply(client, info, msg, result)
+
+    def reply(self, client: ClientContext, info: RoundInfo, msg: Message, result: LocalResult) -> Message:
+        """The client's reply once its model is trained (``client.model`` holds the trained weights)."""
         return Message(
             weights=self.upload_weights(client),
             num_samples=client.num_samples,
             train_loss=result.mean_loss,
             **self.reply_extras(client, info, msg, result),
         )
+
+    def cohort_term(self, client: ClientContext, msg: Message) -> tuple[Any, dict[str, torch.Tensor]] | None:
+        """This round's client step for cohort training (engine/cohort.py, ``run.cohort``), called after the
+        broadcast weights are loaded: ``(loss term or None, this client's fixed tensors)``, or None when the step
+        cannot be batched, so that the client trains sequentially. FedAvg's plain step batches; a method that adds
+        a loss term, logit transform or gradient correction, or a gradient clip, does not unless it says how
+        (FedProx does)."""
+        hooks = ("extra_loss", "logit_transform", "grad_correction", "local_update")  # local_update: a step of its own
+        adds = [hook for hook in hooks if getattr(type(self), hook) is not getattr(FedAvg, hook)]
+        if adds or self.params.grad_clip is not None or self.needs_features:
+            return None
+        return None, {}
 
     def logit_transform(self, client: ClientContext) -> Callable[[torch.Tensor], torch.Tensor] | None:
         """A transform of the logits the client's CE sees (FedRS); None for FedAvg."""

@@ -16,6 +16,7 @@ from typing import Callable, Literal
 import torch
 from pydantic import Field
 
+from ..engine.cohort import proximal_term as cohort_proximal_term
 from ..losses import proximal_term
 from ..registry import ALGORITHMS
 from .base import ClientContext, Message
@@ -53,6 +54,14 @@ class FedProx(FedAvg):
         params, anchors = self._anchored(client)
         mu = self.params.mu
         return lambda model, x, y, logits, features: proximal_term(params, anchors, mu)
+
+    def cohort_term(self, client: ClientContext, msg: Message) -> tuple[object, dict[str, torch.Tensor]] | None:
+        """The loss form batches (engine/cohort.py ``proximal_term``, the anchor each client's received weights);
+        the gradient-hook form and a gradient clip keep the sequential step."""
+        if self.params.implementation != "loss" or self.params.grad_clip is not None:
+            return None
+        anchor = torch.cat([p.detach().reshape(-1) for p in client.model.parameters() if p.requires_grad])
+        return cohort_proximal_term(self.params.mu), {"global": anchor}
 
     def graph_key(self, client: ClientContext, msg: Message) -> tuple:
         return ()  # anchors through client.fixed; μ and the implementation are the same for every client

@@ -70,6 +70,77 @@ class SequentialExecutor:
         pass
 
 
+class CohortExecutor(SequentialExecutor):
+    """``run.cohort = K``: a round's clients of one architecture trained K at a time as one batched step
+    (engine/cohort.py), in this process. A client whose method says its step cannot batch this round
+    (``cohort_term`` None, or a method without that hook) trains as the sequential executor trains it."""
+
+    def __init__(self, client_runtime: Any, size: int) -> None:
+        super().__init__(client_runtime)
+        self.size = size
+        self.padded_slots = 0  # the last round's masked slots (clients of a cohort with fewer steps than its longest)
+
+    def run(self, tasks: Sequence[Task]) -> list[Result]:
+        runtime = self.client_runtime
+        if getattr(runtime.algorithm, "cohort_term", None) is None:
+            return super().run(tasks)
+        groups: dict[str, list[int]] = {}
+        for position, (cid, _, _, _) in enumerate(tasks):
+            groups.setdefault(runtime.architecture(cid), []).append(position)
+        results: list[Any] = [None] * len(tasks)
+        self.padded_slots = 0
+        for positions in groups.values():
+            for start in range(0, len(positions), self.size):
+                self._train_cohort(tasks, positions[start : start + self.size], results)
+        return results
+
+    def _train_cohort(self, tasks: Sequence[Task], positions: list[int], results: list[Any]) -> None:
+        from ..algorithms.local import LocalResult
+        from ..models.flat import get_flat, set_flat
+        from .cohort import cohort_sgd
+
+        runtime, local = self.client_runtime, self.client_runtime.cfg.local
+        algorithm = runtime.algorithm
+        planned: list[tuple[int, Any, Any, dict[str, torch.Tensor]]] = []
+        starts, batches = [], []
+        for position in positions:
+            cid, info, msg, state = tasks[position]
+            ctx = runtime.context(cid, info.round, state)
+            algorithm.load_weights(ctx, msg["weights"])
+            plan = algorithm.cohort_term(ctx, msg)
+            if plan is None:  # this method's step cannot batch this round: the sequential path
+                results[position] = super().run([tasks[position]])[0]
+                continue
+            term, fixed = plan
+            planned.append((position, ctx, term, fixed))
+            starts.append(get_flat(ctx.model).to(runtime.device))
+            # every epoch's batches, drawn from the client's stream in local_sgd's order (no draw in between)
+            batches.append([b for _ in range(local.epochs) for b in ctx.data.epoch_batches(ctx.train_indices, local.batch_size, ctx.generator)])
+        if not planned:
+            return
+        # One term for the cohort: each client may get its own closure, but of one function (its per-client
+        # tensors go in ``fixed``); a method that gives clients different terms is a defect, said here.
+        if len({getattr(t, "__code__", t) for _, _, t, _ in planned}) > 1:
+            raise ValueError("cohort training: the clients of one cohort returned different loss terms")
+        term = planned[0][2]
+        keys = planned[0][3].keys()
+        fixed = {key: torch.stack([f[key].to(runtime.device) for _, _, _, f in planned]) for key in keys}
+        info = tasks[planned[0][0]][1]
+        model = planned[0][1].model
+        result = cohort_sgd(
+            model, torch.stack(starts), batches, lr=info.lr, momentum=local.momentum, weight_decay=local.weight_decay,
+            precision=runtime.cfg.run.precision, extra_loss=term, fixed=fixed,
+        )  # fmt: skip
+        self.padded_slots += result.padded_slots
+        for k, (position, ctx, _, _) in enumerate(planned):
+            cid, info, msg, state = tasks[position]
+            set_flat(ctx.model, result.weights[k])
+            seen = int(result.samples_seen[k])
+            mean_loss = float(result.loss_sum[k] / seen) if seen else float("nan")
+            reply = algorithm.reply(ctx, info, msg, LocalResult(steps=int(result.steps[k]), samples_seen=seen, mean_loss=mean_loss))
+            results[position] = (reply, state)
+
+
 # -- worker side -------------------------------------------------------------------------------
 _WORKER_RUNTIME: Any = None
 
@@ -351,7 +422,7 @@ def make_executor(
     ``runtime_factory(cfg, dataset, train_indices, test_indices)`` builds a worker's client runtime (picklable: a
     class with its algorithm factory bound)."""
     check_workers(cfg)
-    if cfg.run.workers == "auto":
+    if cfg.run.workers == "auto" and cfg.run.cohort is None:
         if planner is None:
             raise ValueError("run.workers=auto needs the run's CorePlanner")
         executor = AdaptiveExecutor(
@@ -361,6 +432,15 @@ def make_executor(
         )
         planner.own_pids = executor.pids
         return executor
+    if cfg.run.cohort is not None:  # in this process (config: workers 1 or auto)
+        from ..errors import ConfigError
+        from .cohort import flat_layout
+
+        try:  # refused before any work: a model whose BatchNorm statistics a padded batched step would corrupt
+            flat_layout(client_runtime.worker_for(cfg.model_name()))
+        except ValueError as exc:
+            raise ConfigError(f"run.cohort: {exc}; unset run.cohort or use a model without BatchNorm") from None
+        return CohortExecutor(client_runtime, cfg.run.cohort)
     if cfg.run.workers == 1:
         return SequentialExecutor(client_runtime)
     return ProcessPoolExecutor(cfg, dataset, federation, cfg.run.workers, client_threads(cfg), runtime_factory)
