@@ -48,7 +48,8 @@ def restricted_softmax_scaling(class_counts: torch.Tensor, alpha: float, mode: s
 
 
 def not_true_distillation(
-    student_logits: torch.Tensor, teacher_logits: torch.Tensor | None, labels: torch.Tensor, tau: float
+    student_logits: torch.Tensor, teacher_logits: torch.Tensor | None, labels: torch.Tensor, tau: float,
+    weights: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """FedNTD's not-true distillation ``τ² · mean_b KL(q̃_t || q̃_s)`` (spec/fedntd.md §3).
 
@@ -72,7 +73,7 @@ def not_true_distillation(
         log_q_t = torch.log_softmax(t_nt / tau, dim=1)
         q_t = log_q_t.exp()
     kl = (q_t * (log_q_t - log_q_s)).sum(dim=1)
-    return (tau**2) * kl.mean()
+    return (tau**2) * (kl.mean() if weights is None else row_mean(kl, weights))
 
 
 def curvature_penalty(params: list[torch.Tensor], p_sum: list[torch.Tensor], q_sum: list[torch.Tensor], lam: float) -> torch.Tensor:
@@ -158,6 +159,7 @@ def masked_distillation(
     teacher_keep: torch.Tensor,
     student_keep: torch.Tensor,
     tau: float,
+    weights: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``τ² · (1/B) Σ_b KL(p_t || p_s)`` with per-sample supports (spec/fedlmd.md §3, stable form).
 
@@ -165,13 +167,22 @@ def masked_distillation(
     None, the teacher-free variants), ``p_s`` the tempered student softmax over ``student_keep``; both masks
     are (B, C) booleans and ``teacher_keep ⊆ student_keep`` is expected. Rows with an empty teacher support
     contribute 0 but still count in ``B``. Masked student logits get exactly zero gradient. float32.
+    ``weights`` (B,): row weights, ``Σ_b w_b KL_b / Σ_b w_b`` (a cohort step's padded rows have weight 0).
     """
     s = student_logits.float()
     log_ps = torch.log_softmax((s / tau).masked_fill(~student_keep, _MASKED), dim=1)
     valid = teacher_keep.any(dim=1)
     log_pt = masked_teacher_log_distribution(teacher_logits, teacher_keep, tau, like=s)
     kl_rows = torch.where(teacher_keep, log_pt.exp() * (log_pt - log_ps), torch.zeros_like(s)).sum(dim=1)
-    return (tau**2) * (kl_rows * valid).sum() / s.shape[0]
+    return (tau**2) * row_mean(kl_rows * valid, weights)
+
+
+def row_mean(rows: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+    """The batch mean of per-row values, or with ``weights`` the weighted mean ``Σ w_b r_b / Σ w_b`` (0 when every
+    weight is 0): how a cohort step (engine/cohort.py) keeps its padded rows out of a loss term's mean."""
+    if weights is None:
+        return rows.sum() / rows.shape[0]
+    return (rows * weights).sum() / weights.sum().clamp_min(1.0)
 
 
 def label_masking_distillation(
@@ -180,24 +191,28 @@ def label_masking_distillation(
     labels: torch.Tensor,
     majority: torch.Tensor,
     tau: float,
+    weights: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """FedLMD's ``τ² · mean_b ℓ_LMD`` (spec/fedlmd.md §3; paper Eqs. 3-6, code's masks).
 
     Teacher support ``A(y) = [C] \\ (M_k ∪ {y})``, student support ``S(y) = [C] \\ {y}``; ``majority`` is the
     client's boolean ``M_k``. ``teacher_logits=None`` is FedLMD-Tf: uniform over ``A(y)`` (Eq. 8).
     """
-    target = F.one_hot(labels, student_logits.shape[1]).bool()
+    # a comparison, not F.one_hot (which reads the labels' range back to the host, and so cannot run under vmap)
+    target = labels[:, None] == torch.arange(student_logits.shape[1], device=labels.device)[None, :]
     teacher_keep = ~(target | majority.to(target.device)[None, :])
-    return masked_distillation(student_logits, teacher_logits, teacher_keep, ~target, tau)
+    return masked_distillation(student_logits, teacher_logits, teacher_keep, ~target, tau, weights)
 
 
-def knowledge_distillation(student_logits: torch.Tensor, teacher_logits: torch.Tensor, tau: float) -> torch.Tensor:
+def knowledge_distillation(
+    student_logits: torch.Tensor, teacher_logits: torch.Tensor, tau: float, weights: torch.Tensor | None = None
+) -> torch.Tensor:
     """Full-softmax KD ``τ² · mean_b KL(p_t || p_s)`` over all classes (FedLMD Table 1's FedAvg+KD)."""
     keep = torch.ones_like(student_logits, dtype=torch.bool)
-    return masked_distillation(student_logits, teacher_logits, keep, keep, tau)
+    return masked_distillation(student_logits, teacher_logits, keep, keep, tau, weights)
 
 
-def label_smoothing_term(logits: torch.Tensor, labels: torch.Tensor, epsilon: float) -> torch.Tensor:
+def label_smoothing_term(logits: torch.Tensor, labels: torch.Tensor, epsilon: float, weights: torch.Tensor | None = None) -> torch.Tensor:
     """What label smoothing adds to plain CE: ``ε · (mean_b −(1/C) Σ_i log p_i − CE)`` (FedLMD Table 2, FedAvg+LS).
 
     ``CE + this`` equals ``F.cross_entropy(logits, labels, label_smoothing=ε)`` (PyTorch's
@@ -205,9 +220,12 @@ def label_smoothing_term(logits: torch.Tensor, labels: torch.Tensor, epsilon: fl
     with a logit transform (FedRS) it smooths those, not the transformed ones the CE sees.
     """
     log_p = torch.log_softmax(logits.float(), dim=1)
-    uniform_ce = -log_p.mean(dim=1).mean()
-    ce = F.nll_loss(log_p, labels)
-    return epsilon * (uniform_ce - ce)
+    if weights is None:
+        uniform_ce = -log_p.mean(dim=1).mean()
+        ce = F.nll_loss(log_p, labels)
+        return epsilon * (uniform_ce - ce)
+    rows = -log_p.mean(dim=1) + log_p.gather(1, labels[:, None])[:, 0]  # uniform CE − CE, per row
+    return epsilon * row_mean(rows, weights)
 
 
 # -- FedFTG: server-side data-free fine-tuning (spec/fedftg.md §3) ---------------------------------

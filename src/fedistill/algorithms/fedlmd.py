@@ -19,7 +19,9 @@ from typing import Literal
 import torch
 from pydantic import Field
 
+from ..engine.cohort import with_teacher
 from ..losses import knowledge_distillation, label_masking_distillation, label_smoothing_term, majority_labels
+from ..models.flat import get_flat
 from ..registry import ALGORITHMS
 from .base import ClientContext, Message
 from .fedavg import FedAvg, FedAvgParams
@@ -60,6 +62,20 @@ class FedLMD(FedAvg):
 
     def teacher_free(self, round_: int) -> bool:
         return round_ <= self.params.switch_round
+
+    def cohort_term(self, client: ClientContext, msg: Message) -> tuple[object, dict[str, torch.Tensor]] | None:
+        """The same term on a cohort step (engine/cohort.py): M_k a fixed row per client, the teacher the client's
+        received weights (none while teacher-free)."""
+        if self.params.grad_clip is not None:
+            return None
+        beta, tau, teacher_free = self.params.beta, self.params.tau, self.teacher_free(client.round)
+
+        def lmd(params, x, y, logits, mask, fixed):
+            teacher_logits = None if teacher_free else fixed["teacher_logits"]
+            return beta * label_masking_distillation(logits, teacher_logits, y, fixed["majority"], tau, weights=mask)
+
+        fixed = {"majority": self.majority(client)}
+        return (lmd, fixed) if teacher_free else (with_teacher(lmd), {**fixed, "teacher": get_flat(client.model)})
 
     def extra_loss(self, client: ClientContext, msg: Message) -> ExtraLoss:
         beta, tau = self.params.beta, self.params.tau
@@ -119,6 +135,16 @@ class FedAvgKD(FedAvg):
             logits, GlobalTeacher.logits(teacher, x), tau
         )
 
+    def cohort_term(self, client: ClientContext, msg: Message) -> tuple[object, dict[str, torch.Tensor]] | None:
+        if self.params.grad_clip is not None:
+            return None
+        beta, tau = self.params.beta, self.params.tau
+
+        def kd(params, x, y, logits, mask, fixed):
+            return beta * knowledge_distillation(logits, fixed["teacher_logits"], tau, weights=mask)
+
+        return with_teacher(kd), {"teacher": get_flat(client.model)}
+
     def graph_key(self, client: ClientContext, msg: Message) -> tuple:
         return ()  # the teacher is one module loaded in place
 
@@ -137,6 +163,12 @@ class FedAvgLS(FedAvg):
     def extra_loss(self, client: ClientContext, msg: Message) -> ExtraLoss:
         eps = self.params.epsilon
         return lambda model, x, y, logits, features: label_smoothing_term(logits, y, eps)
+
+    def cohort_term(self, client: ClientContext, msg: Message) -> tuple[object, dict[str, torch.Tensor]] | None:
+        if self.params.grad_clip is not None:
+            return None
+        eps = self.params.epsilon
+        return (lambda params, x, y, logits, mask, fixed: label_smoothing_term(logits, y, eps, weights=mask)), {}
 
     def graph_key(self, client: ClientContext, msg: Message) -> tuple:
         return ()  # reads the batch only

@@ -7,9 +7,12 @@ weights of the round (card §3); server and aggregation are FedAvg's. ``teacher_
 
 from __future__ import annotations
 
+import torch
 from pydantic import Field
 
+from ..engine.cohort import with_teacher
 from ..losses import not_true_distillation
+from ..models.flat import get_flat
 from ..registry import ALGORITHMS
 from .base import ClientContext, Message
 from .fedavg import FedAvg, FedAvgParams
@@ -36,6 +39,17 @@ class FedNTD(FedAvg):
 
     def graph_key(self, client: ClientContext, msg: Message) -> tuple:
         return ()  # the teacher is one module loaded in place; β, τ and teacher_free are fixed for the run
+
+    def cohort_term(self, client: ClientContext, msg: Message) -> tuple[object, dict[str, torch.Tensor]] | None:
+        """The same term on a cohort step (engine/cohort.py): the teacher is the client's received weights."""
+        if self.params.grad_clip is not None:
+            return None
+        beta, tau, teacher_free = self.params.beta, self.params.tau, self.params.teacher_free
+
+        def ntd(params, x, y, logits, mask, fixed):
+            return beta * not_true_distillation(logits, None if teacher_free else fixed["teacher_logits"], y, tau, weights=mask)
+
+        return (ntd, {}) if teacher_free else (with_teacher(ntd), {"teacher": get_flat(client.model)})
 
     def extra_loss(self, client: ClientContext, msg: Message) -> ExtraLoss:
         beta, tau = self.params.beta, self.params.tau

@@ -17,8 +17,13 @@ PyTorch's first step ``b = g`` exactly), with what differs between the clients m
 
 A loss term batches when it is a pure function of (the client's weights, its batch, its logits, fixed per-client
 tensors): ``extra_loss(params, x, y, logits, mask, fixed)`` with ``fixed`` a dict of ``(K, ...)`` tensors, one row
-per client (FedProx's global weights, SCAFFOLD's control variates). A model with BatchNorm statistics does not: its
+per client (FedProx's global weights, FedLMD's majority classes), its batch means weighted by ``mask``; a term
+marked :func:`with_teacher` also gets the logits of the round's global model on the batch. A model with BatchNorm statistics does not: its
 running statistics would see the padded rows, so such a model is refused (``ValueError``) and trains sequentially.
+
+The same math up to the order of float sums (1e-7 over three rounds of digits at lr 0.02, tests/test_cohort.py); a
+trajectory that meets a knife edge within that rounding (a unit's pre-activation at 0, a max-pooling tie) parts
+further, as two sequential runs with reordered sums would (FedAvg+LS at lr 0.05: 6e-8 became 1.8e-5 in one step).
 
 On the CPU the batched step does not pay (issue 66: 0.62x in fp32 for 10 stacked MNIST CNN clients on one thread),
 so the CPU path keeps its sequential default; this module is the GPU lever, tested for equality on the CPU.
@@ -113,9 +118,15 @@ def cohort_sgd(
     seen = torch.tensor([sum(int(y.shape[0]) for _, y in b) for b in client_batches], dtype=torch.int64)
     longest = int(steps.max()) if k else 0
 
+    def unflatten(flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {name: flat[where].reshape(shape) for name, where, shape in layout}
+
     def client_loss(p: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor, extra: dict[str, torch.Tensor]) -> torch.Tensor:
         with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=precision == "bf16"):
             logits = functional_call(model, p, (x,))
+            if getattr(extra_loss, "needs_teacher", False):  # the round's global model on the same batch, a constant
+                with torch.no_grad():
+                    extra = {**extra, "teacher_logits": functional_call(model, unflatten(extra["teacher"]), (x,)).detach()}
         rows = F.cross_entropy(logits.float(), y, reduction="none")
         loss = (rows * mask).sum() / mask.sum().clamp_min(1.0)  # the mean over the real rows; 0 for an inactive client
         if extra_loss is not None:
@@ -140,6 +151,14 @@ def cohort_sgd(
     out = torch.cat([params[name].reshape(k, -1) for name, _, _ in layout], dim=1)
     padded = int((longest - steps).sum())
     return CohortResult(weights=out, loss_sum=loss_sum, steps=steps, samples_seen=seen, padded_slots=padded)
+
+
+def with_teacher(term: CohortLoss) -> CohortLoss:
+    """Mark a cohort term as reading ``fixed["teacher_logits"]``: the logits, on the client's batch, of the weights
+    in its ``fixed["teacher"]`` row (the round's global model: FedNTD's, FedLMD's, FedAvg+KD's teacher), computed
+    by the cohort step without gradient, as ``GlobalTeacher.logits`` computes them on the sequential path."""
+    term.needs_teacher = True  # type: ignore[attr-defined]
+    return term
 
 
 def proximal_term(mu: float) -> CohortLoss:
