@@ -123,7 +123,7 @@ def cohort_run(algorithm: str, cohort, digits, **overrides):
     return sim, sim.run()
 
 
-@pytest.mark.parametrize("algorithm", ["fedavg", "fedprox", "fedntd", "fedlmd", "fedlmd_tf", "fedavg_kd", "fedavg_ls"])
+@pytest.mark.parametrize("algorithm", ["fedavg", "fedprox", "fedntd", "fedlmd", "fedlmd_tf", "fedavg_kd", "fedavg_ls", "scaffold"])
 def test_a_cohort_run_keeps_the_sequential_runs_weights_and_accuracy(digits, algorithm):
     """Three rounds of three clients of different sizes (partial last batches), momentum 0.9: the global model
     within 1e-4 relative of the sequential run's (entries above 1e-3), the accuracy within 0.1 point, the

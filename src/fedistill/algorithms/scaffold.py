@@ -13,6 +13,7 @@ from typing import Any, Callable
 
 import torch
 
+from ..engine.cohort import GRADIENT_OFFSET
 from ..engine.state_store import as_stored
 from ..models.flat import add_to_gradients, flat_parameters, trainable_mask, trainable_parameters
 from ..registry import ALGORITHMS
@@ -56,6 +57,13 @@ class Scaffold(FedAvg):
         correction = client.fixed("scaffold.correction", msg["control"] - self._client_control(client, int(msg["control"].numel())))
         # ĝ = g − c_k + c, then the optimizer adds weight decay and momentum as usual (card §3).
         return add_to_gradients(trainable_parameters(client.model), correction)
+
+    def cohort_term(self, client: ClientContext, msg: Message) -> tuple[object, dict[str, torch.Tensor]] | None:
+        """On a cohort step (engine/cohort.py) c − c_k is the client's gradient offset (no loss term)."""
+        if self.params.grad_clip is not None:
+            return None
+        c = msg["control"]
+        return None, {GRADIENT_OFFSET: c - self._client_control(client, int(c.numel()))}
 
     def graph_key(self, client: ClientContext, msg: Message) -> tuple:
         return ()  # c − c_k through client.fixed

@@ -18,7 +18,9 @@ PyTorch's first step ``b = g`` exactly), with what differs between the clients m
 A loss term batches when it is a pure function of (the client's weights, its batch, its logits, fixed per-client
 tensors): ``extra_loss(params, x, y, logits, mask, fixed)`` with ``fixed`` a dict of ``(K, ...)`` tensors, one row
 per client (FedProx's global weights, FedLMD's majority classes), its batch means weighted by ``mask``; a term
-marked :func:`with_teacher` also gets the logits of the round's global model on the batch. A model with BatchNorm statistics does not: its
+marked :func:`with_teacher` also gets the logits of the round's global model on the batch. A gradient correction
+that adds a constant per client (SCAFFOLD's ``c − c_k``) is ``fixed["gradient_offset"]``, added to the gradient
+before weight decay as its ``grad_correction`` adds it to ``.grad`` before the optimiser's step. A model with BatchNorm statistics does not: its
 running statistics would see the padded rows, so such a model is refused (``ValueError``) and trains sequentially.
 
 The same math up to the order of float sums (1e-7 over three rounds of digits at lr 0.02, tests/test_cohort.py); a
@@ -41,6 +43,7 @@ from torch import nn
 from torch.func import functional_call, grad_and_value, vmap
 
 Batch = tuple[torch.Tensor, torch.Tensor]
+GRADIENT_OFFSET = "gradient_offset"  # fixed[...] (K, P): a constant added to each client's gradient (SCAFFOLD)
 # extra_loss(params, x, y, logits, row_mask, fixed) -> scalar: a pure loss term for one client (vmapped over them)
 CohortLoss = Callable[[dict[str, torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]], torch.Tensor]
 
@@ -133,6 +136,9 @@ def cohort_sgd(
             loss = loss + extra_loss(p, x, y, logits, mask, extra) * (mask.sum() > 0)
         return loss
 
+    # SCAFFOLD's c − c_k: added to each client's gradient before weight decay (its grad_correction), not a loss term
+    offset = fixed.pop(GRADIENT_OFFSET, None)
+    offsets = {name: offset[:, where].reshape(k, *shape) for name, where, shape in layout} if offset is not None else {}
     step = vmap(grad_and_value(client_loss))
     for slot in range(longest):
         x, y, mask, active = stack_batches(client_batches, slot, device)
@@ -141,7 +147,8 @@ def cohort_sgd(
         with torch.no_grad():
             for name, p in params.items():
                 shape = (k,) + (1,) * (p.dim() - 1)
-                g = grads[name] + weight_decay * p if weight_decay else grads[name]
+                g = grads[name] + offsets[name] if offsets else grads[name]
+                g = g + weight_decay * p if weight_decay else g
                 if momentum:
                     b = buffers[name]
                     b.copy_(torch.where(active.view(shape), momentum * b + g, b))
