@@ -12,6 +12,7 @@ from typing import Callable, Literal
 import torch
 from pydantic import Field
 
+from ..engine.cohort import LOGIT_SCALE
 from ..losses import restricted_softmax_scaling
 from ..registry import ALGORITHMS
 from .base import ClientContext
@@ -35,6 +36,14 @@ class FedRS(FedAvg):
         counts = torch.bincount(labels, minlength=client.data.num_classes)
         scale = client.fixed("fedrs.scale", restricted_softmax_scaling(counts, self.params.alpha, self.params.mode).to(client.device))
         return lambda logits: logits * scale[None, :]
+
+    def cohort_term(self, client: ClientContext, msg: Message) -> tuple[object, dict[str, torch.Tensor]] | None:
+        """On a cohort step (engine/cohort.py) s_k is the client's row of logit scales."""
+        if self.params.grad_clip is not None:
+            return None
+        labels = client.data.dataset.train_y[client.train_indices]
+        counts = torch.bincount(labels, minlength=client.data.num_classes)
+        return None, {LOGIT_SCALE: restricted_softmax_scaling(counts, self.params.alpha, self.params.mode).to(client.device)}
 
     def graph_key(self, client: ClientContext, msg: Message) -> tuple:
         return ()  # s_k through client.fixed

@@ -20,7 +20,8 @@ tensors): ``extra_loss(params, x, y, logits, mask, fixed)`` with ``fixed`` a dic
 per client (FedProx's global weights, FedLMD's majority classes), its batch means weighted by ``mask``; a term
 marked :func:`with_teacher` also gets the logits of the round's global model on the batch. A gradient correction
 that adds a constant per client (SCAFFOLD's ``c − c_k``) is ``fixed["gradient_offset"]``, added to the gradient
-before weight decay as its ``grad_correction`` adds it to ``.grad`` before the optimiser's step. A model with BatchNorm statistics does not: its
+before weight decay as its ``grad_correction`` adds it to ``.grad`` before the optimiser's step; a logit transform
+that scales each class (FedRS's restricted softmax) is ``fixed["logit_scale"]``, applied to the logits the CE sees. A model with BatchNorm statistics does not: its
 running statistics would see the padded rows, so such a model is refused (``ValueError``) and trains sequentially.
 
 The same math up to the order of float sums (1e-7 over three rounds of digits at lr 0.02, tests/test_cohort.py); a
@@ -44,6 +45,7 @@ from torch.func import functional_call, grad_and_value, vmap
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 GRADIENT_OFFSET = "gradient_offset"  # fixed[...] (K, P): a constant added to each client's gradient (SCAFFOLD)
+LOGIT_SCALE = "logit_scale"  # fixed[...] (K, C): per-class factors of the logits the client's CE sees (FedRS's s_k)
 # extra_loss(params, x, y, logits, row_mask, fixed) -> scalar: a pure loss term for one client (vmapped over them)
 CohortLoss = Callable[[dict[str, torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]], torch.Tensor]
 
@@ -130,7 +132,8 @@ def cohort_sgd(
             if getattr(extra_loss, "needs_teacher", False):  # the round's global model on the same batch, a constant
                 with torch.no_grad():
                     extra = {**extra, "teacher_logits": functional_call(model, unflatten(extra["teacher"]), (x,)).detach()}
-        rows = F.cross_entropy(logits.float(), y, reduction="none")
+        ce_logits = logits.float() * extra[LOGIT_SCALE] if LOGIT_SCALE in extra else logits.float()  # FedRS's s_k
+        rows = F.cross_entropy(ce_logits, y, reduction="none")
         loss = (rows * mask).sum() / mask.sum().clamp_min(1.0)  # the mean over the real rows; 0 for an inactive client
         if extra_loss is not None:
             loss = loss + extra_loss(p, x, y, logits, mask, extra) * (mask.sum() > 0)
