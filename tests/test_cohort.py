@@ -123,7 +123,7 @@ def cohort_run(algorithm: str, cohort, digits, **overrides):
     return sim, sim.run()
 
 
-@pytest.mark.parametrize("algorithm", ["fedavg", "fedprox", "fedntd", "fedlmd", "fedlmd_tf", "fedavg_kd", "fedavg_ls", "scaffold", "fedrs"])
+@pytest.mark.parametrize("algorithm", ["fedavg", "fedprox", "fedntd", "fedlmd", "fedlmd_tf", "fedavg_kd", "fedavg_ls", "scaffold", "fedrs", "feddyn"])
 def test_a_cohort_run_keeps_the_sequential_runs_weights_and_accuracy(digits, algorithm):
     """Three rounds of three clients of different sizes (partial last batches), momentum 0.9: the global model
     within 1e-4 relative of the sequential run's (entries above 1e-3), the accuracy within 0.1 point, the
@@ -143,10 +143,10 @@ def test_a_cohort_run_keeps_the_sequential_runs_weights_and_accuracy(digits, alg
 
 
 def test_a_method_whose_step_cannot_batch_trains_sequentially_under_run_cohort(digits):
-    """FedDyn adds a loss term it does not declare as a cohort term: under run.cohort its clients take the
+    """FedCurv adds a loss term it does not declare as a cohort term: under run.cohort its clients take the
     sequential path, so the run equals the sequential one bit for bit."""
-    sequential_sim, expected = cohort_run("feddyn", None, digits)
-    cohort_sim, history = cohort_run("feddyn", 3, digits)
+    sequential_sim, expected = cohort_run("fedcurv", None, digits)
+    cohort_sim, history = cohort_run("fedcurv", 3, digits)
     assert torch.equal(get_flat(sequential_sim.server.model), get_flat(cohort_sim.server.model))
     strip = lambda h: [{k: v for k, v in r.items() if not k.endswith("seconds")} for r in h]  # noqa: E731
     assert strip(history) == strip(expected)

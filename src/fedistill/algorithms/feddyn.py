@@ -20,6 +20,7 @@ from typing import Any, Literal
 import torch
 from pydantic import Field
 
+from ..engine.cohort import params_vector
 from ..errors import ConfigError
 from ..losses import dynamic_regulariser
 from ..models.flat import flat_parameters, split_like, trainable_mask, trainable_parameters
@@ -71,6 +72,19 @@ class FedDyn(FedAvg):
         alpha = self._alpha(msg)
 
         return lambda model, x, y, logits, features: dynamic_regulariser(params, anchors, g_pieces, alpha)
+
+    def cohort_term(self, client: ClientContext, msg: Message) -> tuple[object, dict[str, torch.Tensor]] | None:
+        """The same terms on a cohort step (engine/cohort.py): the anchor, g_k and α_k as each client's rows."""
+        if self.params.grad_clip is not None:
+            return None
+        anchor = torch.cat([p.detach().reshape(-1) for p in trainable_parameters(client.model)])
+        g = client.state.setdefault("feddyn_g", torch.zeros(anchor.numel()))
+
+        def dyn(params, x, y, logits, mask, fixed):
+            return dynamic_regulariser([params_vector(params)], [fixed["anchor"]], [fixed["feddyn_g"]], fixed["alpha"])
+
+        alpha = torch.tensor(float(self._alpha(msg)), device=anchor.device)
+        return dyn, {"anchor": anchor, "feddyn_g": g.to(anchor.device), "alpha": alpha}
 
     def graph_key(self, client: ClientContext, msg: Message) -> tuple:
         return (self._alpha(msg),)  # anchors and g_k through client.fixed; α_k is a Python number (per client when adaptive)

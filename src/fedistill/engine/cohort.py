@@ -176,7 +176,13 @@ def proximal_term(mu: float) -> CohortLoss:
     client, one ``(K, P_params)`` row each in the layout order): the same value as the sequential path's."""
 
     def term(params: dict[str, torch.Tensor], x: Any, y: Any, logits: Any, mask: Any, fixed: dict[str, torch.Tensor]) -> torch.Tensor:
-        flat = torch.cat([p.reshape(-1) for p in params.values()])
-        return 0.5 * mu * (flat - fixed["global"]).pow(2).sum()
+        return 0.5 * mu * (params_vector(params) - fixed["global"]).pow(2).sum()
 
     return term
+
+
+def params_vector(params: dict[str, torch.Tensor]) -> torch.Tensor:
+    """One client's parameters inside a cohort term as one vector, in the model's flat order (the order of
+    ``trainable_parameters``, the models here having no buffers): what a term anchored on the received weights
+    compares them with."""
+    return torch.cat([p.reshape(-1) for p in params.values()])
