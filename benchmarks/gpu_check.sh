@@ -14,13 +14,16 @@
 #   (partial batches captured and not) and of FedProx and FedNTD with graphs (their steps captured since issue 41);
 #   "methods" runs benchmarks/bench_gpu_methods.py (every method's round on the MNIST protocol, eager and graphs)
 #   within METHODS_BUDGET seconds (METHODS=a,b: those registered names only).
+#   cohort (issue 66, first in the default stages): benchmarks/bench_gpu_cohort.py (FedAvg, FedProx, FedNTD, FedLMD,
+#   SCAFFOLD: the graphed sequential step against run.cohort = 10, seconds a round, samples a second, accuracy) and
+#   profile_gpu_round.py's GPU busy share for both paths.
 # RUN_SET adds settings to the kill-and-resume runs, e.g. RUN_SET="--set run.cuda_graphs=true".
 set -u
 DATA=${DATA:-../shared/data}
 OUT=${OUT:-gpu_out}
 DEVICE=${DEVICE:-cuda}  # cpu: try the script's plumbing on a machine without a GPU
 PY=${PY:-python3}
-STAGES=${STAGES:-"speed profile resume tests"}  # a subset reruns what a fix touched
+STAGES=${STAGES:-"cohort speed profile resume tests"}  # a subset reruns what a fix touched
 TESTS=${TESTS:-tests/}
 SPEED_ARGS=${SPEED_ARGS:-"--rounds 4 --server-methods 2"}  # e.g. "--only none --server-methods 3": the server-side methods alone
 SPEED_LIMIT=${SPEED_LIMIT:-150}
@@ -34,6 +37,12 @@ stage environment
   $PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())"; } 2>&1 | tee "$OUT/env.txt"
 
 want() { [[ " $STAGES " == *" $1 "* ]]; }
+
+want cohort && { stage "cohort training (issue 66)"
+timeout ${COHORT_LIMIT:-200} $PY benchmarks/bench_gpu_cohort.py --data-dir "$DATA" --device "$DEVICE" --json "$OUT/cohort.json" > "$OUT/cohort.txt" 2>&1
+echo "exit $?"; grep -E "^\||Error|error" "$OUT/cohort.txt" | head -n 16
+{ for args in "--cuda-graphs" "--cohort 10"; do echo "### profile fp32 $args"; timeout 45 $PY benchmarks/profile_gpu_round.py --data-dir "$DATA" --precision fp32 $args; done; } > "$OUT/cohort_profile.txt" 2>&1
+grep -E "^###|round_wall_s|gpu_busy_share|kernel_launches|Error" "$OUT/cohort_profile.txt"; }
 
 want speed && { stage speed
 timeout "$SPEED_LIMIT" $PY benchmarks/bench_gpu.py --data-dir "$DATA" $SPEED_ARGS --json "$OUT/bench_gpu.json" > "$OUT/bench_gpu.txt" 2>&1

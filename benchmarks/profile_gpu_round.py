@@ -46,6 +46,7 @@ def main() -> None:
     ap.add_argument("--cuda-graphs", action="store_true", help="run.cuda_graphs: the clients' step replayed from a graph")
     ap.add_argument("--algorithm", default="fedavg", help="a method whose client step goes through local_sgd (fedprox, fedntd, ...)")
     ap.add_argument("--no-partial-graphs", action="store_true", help="the partial batches eagerly, as before issue 41")
+    ap.add_argument("--cohort", type=int, help="run.cohort = K: the round's clients trained K at a time as one batched step (issue 66)")
     ap.add_argument("--json")
     ap.add_argument("--trace", help="also write the round's Chrome trace here")
     args = ap.parse_args()
@@ -56,7 +57,10 @@ def main() -> None:
         from fedistill.engine import cuda_graphs
 
         cuda_graphs.CAPTURE_PARTIAL_BATCHES = False
-    cfg = build_config(PROTOCOL, {"rounds": 5, "run.device": "cuda", "run.precision": args.precision, "run.cuda_graphs": args.cuda_graphs, "algorithm.name": args.algorithm})
+    settings = {"rounds": 5, "run.device": "cuda", "run.precision": args.precision, "run.cuda_graphs": args.cuda_graphs, "algorithm.name": args.algorithm}
+    if args.cohort:
+        settings.update({"run.cohort": args.cohort, "run.workers": 1})
+    cfg = build_config(PROTOCOL, settings)
     dataset = load_dataset("mnist", args.data_dir)
     federation = build_federation(cfg, dataset)
     sim = Simulation(cfg, dataset, federation=federation)
@@ -80,6 +84,7 @@ def main() -> None:
         "torch": torch.__version__,
         "precision": args.precision,
         "cuda_graphs": args.cuda_graphs,
+        "cohort": args.cohort,
         "algorithm": args.algorithm,
         "partial_graphs": not args.no_partial_graphs,
         "round_wall_s": wall,
