@@ -123,7 +123,7 @@ def cohort_run(algorithm: str, cohort, digits, **overrides):
     return sim, sim.run()
 
 
-@pytest.mark.parametrize("algorithm", ["fedavg", "fedprox", "fedntd", "fedlmd", "fedlmd_tf", "fedavg_kd", "fedavg_ls", "scaffold", "fedrs", "feddyn"])
+@pytest.mark.parametrize("algorithm", ["fedavg", "fedprox", "fedntd", "fedlmd", "fedlmd_tf", "fedavg_kd", "fedavg_ls", "scaffold", "fedrs", "feddyn", "moon"])
 def test_a_cohort_run_keeps_the_sequential_runs_weights_and_accuracy(digits, algorithm):
     """Three rounds of three clients of different sizes (partial last batches), momentum 0.9: the global model
     within 1e-4 relative of the sequential run's (entries above 1e-3), the accuracy within 0.1 point, the
@@ -175,8 +175,14 @@ def test_run_cohort_refuses_what_it_cannot_do_in_one_line(digits):
 
 def test_the_loss_terms_weighted_means_leave_padded_rows_out():
     """A cohort step pads a partial batch with rows of weight 0: each term's weighted mean over [real, real, padded]
-    equals its plain mean over the two real rows (FedNTD's, FedLMD's, KD's and label smoothing's)."""
-    from fedistill.losses import knowledge_distillation, label_masking_distillation, label_smoothing_term, not_true_distillation
+    equals its plain mean over the two real rows (FedNTD's, FedLMD's, KD's, label smoothing's and MOON's)."""
+    from fedistill.losses import (
+        knowledge_distillation,
+        label_masking_distillation,
+        label_smoothing_term,
+        model_contrastive,
+        not_true_distillation,
+    )
 
     g = torch.Generator().manual_seed(3)
     student, teacher = torch.randn(3, 5, generator=g), torch.randn(3, 5, generator=g)
@@ -188,6 +194,7 @@ def test_the_loss_terms_weighted_means_leave_padded_rows_out():
          label_masking_distillation(student[:2], teacher[:2], labels[:2], majority, 2.0)),
         (knowledge_distillation(student, teacher, 2.0, weights=weights), knowledge_distillation(student[:2], teacher[:2], 2.0)),
         (label_smoothing_term(student, labels, 0.1, weights=weights), label_smoothing_term(student[:2], labels[:2], 0.1)),
+        (model_contrastive(student, teacher, -teacher, 0.5, weights=weights), model_contrastive(student[:2], teacher[:2], -teacher[:2], 0.5)),
     ]  # fmt: skip
     for weighted, plain in pairs:
         assert float(weighted) == pytest.approx(float(plain), rel=1e-6)

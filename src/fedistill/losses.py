@@ -92,16 +92,22 @@ def curvature_penalty(params: list[torch.Tensor], p_sum: list[torch.Tensor], q_s
     return lam * total
 
 
-def model_contrastive(z: torch.Tensor, z_global: torch.Tensor, z_prev: torch.Tensor, tau: float) -> torch.Tensor:
+def model_contrastive(
+    z: torch.Tensor, z_global: torch.Tensor, z_prev: torch.Tensor, tau: float, weights: torch.Tensor | None = None
+) -> torch.Tensor:
     """MOON's model-contrastive loss, batch mean of ``−log softmax([sim(z,z_g), sim(z,z_p)]/τ)[0]`` (spec/moon.md §3).
 
-    Cosine similarity with ``ε = 1e-8`` (an all-zero feature gives 0, not NaN); computed in float32.
+    Cosine similarity with ``ε = 1e-8`` (an all-zero feature gives 0, not NaN); computed in float32. ``weights``:
+    row weights of the mean (:func:`row_mean`; a cohort step's padded rows).
     """
     z, z_global, z_prev = z.float(), z_global.float(), z_prev.float()
     sims = torch.stack(
         [F.cosine_similarity(z, z_global, dim=1, eps=1e-8), F.cosine_similarity(z, z_prev, dim=1, eps=1e-8)], dim=1
     )
-    return F.cross_entropy(sims / tau, torch.zeros(z.shape[0], dtype=torch.long, device=z.device))
+    target = torch.zeros(z.shape[0], dtype=torch.long, device=z.device)
+    if weights is None:
+        return F.cross_entropy(sims / tau, target)
+    return row_mean(F.cross_entropy(sims / tau, target, reduction="none"), weights)
 
 
 def dynamic_regulariser(

@@ -94,6 +94,24 @@ class Moon(FedAvg):
 
         return contrastive
 
+    def cohort_term(self, client: ClientContext, msg: Message) -> tuple[object, dict[str, torch.Tensor]] | None:
+        """The same term on a cohort step (engine/cohort.py): the global and previous weights as each client's rows,
+        their features computed in the step without gradient."""
+        if self.params.grad_clip is not None:
+            return None
+        self._check_model(client.model)
+        prev = client.state.get("moon_prev")
+        if prev is None:
+            prev = client.initial_weights if client.initial_weights is not None else msg["weights"]
+        mu, tau = self.params.mu, self.params.tau
+
+        def contrastive(params, x, y, logits, mask, fixed):
+            return mu * model_contrastive(fixed["features"], fixed["moon_global.features"], fixed["moon_prev.features"], tau, weights=mask)
+
+        contrastive.needs_features = True
+        contrastive.frozen_features = ("moon_global", "moon_prev")
+        return contrastive, {"moon_global": get_flat(client.model), "moon_prev": prev.to(torch.float32)}
+
     def graph_key(self, client: ClientContext, msg: Message) -> tuple:
         return ()  # the global and previous models are two modules loaded in place
 

@@ -18,7 +18,10 @@ PyTorch's first step ``b = g`` exactly), with what differs between the clients m
 A loss term batches when it is a pure function of (the client's weights, its batch, its logits, fixed per-client
 tensors): ``extra_loss(params, x, y, logits, mask, fixed)`` with ``fixed`` a dict of ``(K, ...)`` tensors, one row
 per client (FedProx's global weights, FedLMD's majority classes), its batch means weighted by ``mask``; a term
-marked :func:`with_teacher` also gets the logits of the round's global model on the batch. A gradient correction
+marked :func:`with_teacher` also gets the logits of the round's global model on the batch; one with ``needs_features``
+gets the client's features (``fixed["features"]``, the step then runs ``extract`` and ``classify`` as local_sgd's
+``with_features`` does) and, for each key in its ``frozen_features``, the features of the weights ``fixed[key]``
+(``fixed[key + ".features"]``, no gradient: MOON's global and previous models). A gradient correction
 that adds a constant per client (SCAFFOLD's ``c − c_k``) is ``fixed["gradient_offset"]``, added to the gradient
 before weight decay as its ``grad_correction`` adds it to ``.grad`` before the optimiser's step; a logit transform
 that scales each class (FedRS's restricted softmax) is ``fixed["logit_scale"]``, applied to the logits the CE sees. A model with BatchNorm statistics does not: its
@@ -126,12 +129,23 @@ def cohort_sgd(
     def unflatten(flat: torch.Tensor) -> dict[str, torch.Tensor]:
         return {name: flat[where].reshape(shape) for name, where, shape in layout}
 
+    extract, classify = _Method(model, "extract"), _Method(model, "classify")
+    prefixed = lambda p: {f"model.{name}": v for name, v in p.items()}  # noqa: E731  (the wrappers' parameter names)
+
     def client_loss(p: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor, extra: dict[str, torch.Tensor]) -> torch.Tensor:
         with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=precision == "bf16"):
-            logits = functional_call(model, p, (x,))
+            if getattr(extra_loss, "needs_features", False):  # as local_sgd's with_features: extract, then classify
+                features = functional_call(extract, prefixed(p), (x,))
+                logits = functional_call(classify, prefixed(p), (features,))
+                extra = {**extra, "features": features}
+            else:
+                logits = functional_call(model, p, (x,))
             if getattr(extra_loss, "needs_teacher", False):  # the round's global model on the same batch, a constant
                 with torch.no_grad():
                     extra = {**extra, "teacher_logits": functional_call(model, unflatten(extra["teacher"]), (x,)).detach()}
+            for key in getattr(extra_loss, "frozen_features", ()):  # features of fixed weights (MOON's global, previous)
+                with torch.no_grad():
+                    extra = {**extra, f"{key}.features": functional_call(extract, prefixed(unflatten(extra[key])), (x,)).detach()}
         ce_logits = logits.float() * extra[LOGIT_SCALE] if LOGIT_SCALE in extra else logits.float()  # FedRS's s_k
         rows = F.cross_entropy(ce_logits, y, reduction="none")
         loss = (rows * mask).sum() / mask.sum().clamp_min(1.0)  # the mean over the real rows; 0 for an inactive client
@@ -161,6 +175,18 @@ def cohort_sgd(
     out = torch.cat([params[name].reshape(k, -1) for name, _, _ in layout], dim=1)
     padded = int((longest - steps).sum())
     return CohortResult(weights=out, loss_sum=loss_sum, steps=steps, samples_seen=seen, padded_slots=padded)
+
+
+class _Method(nn.Module):
+    """``model.<method>`` as a module's forward, so that ``functional_call`` can run it with a client's weights
+    (their names prefixed ``model.``): the extractor and the head of a step that needs the features."""
+
+    def __init__(self, model: nn.Module, method: str) -> None:
+        super().__init__()
+        self.model, self.method = model, method
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return getattr(self.model, self.method)(x)
 
 
 def with_teacher(term: CohortLoss) -> CohortLoss:
