@@ -123,10 +123,11 @@ def cohort_run(algorithm: str, cohort, digits, **overrides):
     return sim, sim.run()
 
 
-@pytest.mark.parametrize("algorithm", ["fedavg", "fedprox", "fedntd", "fedlmd", "fedlmd_tf", "fedavg_kd", "fedavg_ls", "scaffold", "fedrs", "feddyn", "moon"])
+@pytest.mark.parametrize("algorithm", ["fedavg", "fedprox", "fedntd", "fedlmd", "fedlmd_tf", "fedavg_kd", "fedavg_ls", "scaffold", "fedrs", "feddyn", "moon", "fednova", "fedavgm", "fedadam"])
 def test_a_cohort_run_keeps_the_sequential_runs_weights_and_accuracy(digits, algorithm):
     """Three rounds of three clients of different sizes (partial last batches), momentum 0.9: the global model
-    within 1e-4 relative of the sequential run's (entries above 1e-3), the accuracy within 0.1 point, the
+    within 1e-5 of the sequential run's in relative norm (the issue's bound 1e-4; measured at most 1.1e-6, FedAvgM's
+    server momentum carrying the rounding furthest) and 1e-4 in every entry, the accuracy within 0.1 point, the
     training loss within 1e-6 relative, the bytes the same. (At lr 0.05 FedAvg+LS's trajectory meets a knife edge
     in round 1, client 5's last step: a difference of 6e-8 from the reordered sums becomes 1.8e-5 in one step and
     grows about 30x a round, as any reordering of the sequential sums would make it; at 0.02 every method stays
@@ -135,7 +136,7 @@ def test_a_cohort_run_keeps_the_sequential_runs_weights_and_accuracy(digits, alg
     cohort_sim, history = cohort_run(algorithm, 3, digits)
     assert type(cohort_sim.executor).__name__ == "CohortExecutor"
     a, b = get_flat(sequential_sim.server.model), get_flat(cohort_sim.server.model)
-    assert float(((a - b).abs() / a.abs().clamp_min(1e-3)).max()) < 1e-4
+    assert float((a - b).norm() / a.norm()) < 1e-5 and float((a - b).abs().max()) < 1e-4
     for mine, theirs in zip(history, expected):
         assert abs(mine["test_accuracy"] - theirs["test_accuracy"]) <= 0.1
         assert mine["train_loss"] == pytest.approx(theirs["train_loss"], rel=1e-6)
