@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from pydantic import Field
 from torch.func import functional_call, grad, vmap
 
+from ..engine.cohort import params_vector
 from ..engine.state_store import as_stored
 from ..losses import curvature_penalty
 from ..models.flat import flat_parameters, split_like, trainable_parameters
@@ -191,6 +192,18 @@ class FedCurv(FedAvg):
         q_sum = split_like(client.fixed("fedcurv.q", others_v), params)
         lam = self.params.lam
         return lambda model, x, y, logits, features: curvature_penalty(params, p_sum, q_sum, lam)
+
+    def cohort_term(self, client: ClientContext, msg: Message) -> tuple[object, dict[str, torch.Tensor]] | None:
+        """The same penalty on a cohort step (engine/cohort.py): P_k and Q_k as each client's rows."""
+        if self.params.grad_clip is not None:
+            return None
+        others_u, others_v = self._others(client, msg)
+        lam = self.params.lam
+
+        def curvature(params, x, y, logits, mask, fixed):
+            return curvature_penalty([params_vector(params)], [fixed["fedcurv.p"]], [fixed["fedcurv.q"]], lam)
+
+        return curvature, {"fedcurv.p": others_u, "fedcurv.q": others_v}
 
     def graph_key(self, client: ClientContext, msg: Message) -> tuple:
         return ()  # P_k and Q_k through client.fixed
