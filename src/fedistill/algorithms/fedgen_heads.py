@@ -152,7 +152,7 @@ class FedGenHeads(HtFLlibClientDefaults, Algorithm):
             betas=(0.9, 0.999), weight_decay=p.generator_weight_decay,
         )  # fmt: skip
         rng = make_generator(server.seed, FEDGEN, info.round)
-        total = 0.0
+        total = torch.zeros((), device=device)  # summed on the device: no host wait per step
         for _ in range(p.generator_steps):
             labels = draw_labels(counts, p.generator_batch_size, rng).to(device)
             eps = draw_noise(p.generator_batch_size, p.noise_dim, p.noise, rng).to(device)
@@ -160,9 +160,9 @@ class FedGenHeads(HtFLlibClientDefaults, Algorithm):
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
-            total += float(loss.detach())
+            total += loss.detach()
         self._generator.store(server, generator)
-        return total / p.generator_steps
+        return float(total) / p.generator_steps
 
     # -- client ---------------------------------------------------------------------------------------------
     def local_update(self, client: ClientContext, info: RoundInfo, msg: Message) -> Message:
