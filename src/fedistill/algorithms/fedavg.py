@@ -205,6 +205,11 @@ class FedAvg(Algorithm):
             **self.reply_extras(client, info, msg, result),
         )
 
+    def cohort_reply(self, client: ClientContext, info: RoundInfo, msg: Message, *, steps: int, samples_seen: int, mean_loss: float) -> Message:
+        """The reply of a client a cohort step trained (engine/executors.py ``CohortExecutor``; ``client.model``
+        holds its trained weights): :meth:`reply` with the step counts the sequential loop would report."""
+        return self.reply(client, info, msg, LocalResult(steps=steps, samples_seen=samples_seen, mean_loss=mean_loss))
+
     def cohort_term(self, client: ClientContext, msg: Message) -> tuple[Any, dict[str, torch.Tensor]] | None:
         """This round's client step for cohort training (engine/cohort.py, ``run.cohort``), called after the
         broadcast weights are loaded: ``(loss term or None, this client's fixed tensors)``, or None when the step

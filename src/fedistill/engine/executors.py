@@ -95,7 +95,6 @@ class CohortExecutor(SequentialExecutor):
         return results
 
     def _train_cohort(self, tasks: Sequence[Task], positions: list[int], results: list[Any]) -> None:
-        from ..algorithms.local import LocalResult
         from ..models.flat import get_flat, set_flat
         from .cohort import cohort_sgd
 
@@ -137,7 +136,7 @@ class CohortExecutor(SequentialExecutor):
             set_flat(ctx.model, result.weights[k])
             seen = int(result.samples_seen[k])
             mean_loss = float(result.loss_sum[k] / seen) if seen else float("nan")
-            reply = algorithm.reply(ctx, info, msg, LocalResult(steps=int(result.steps[k]), samples_seen=seen, mean_loss=mean_loss))
+            reply = algorithm.cohort_reply(ctx, info, msg, steps=int(result.steps[k]), samples_seen=seen, mean_loss=mean_loss)
             results[position] = (reply, state)
 
 
