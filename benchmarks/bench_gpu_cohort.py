@@ -6,8 +6,8 @@ FedNTD, FedLMD and SCAFFOLD (the issue's list; ``--methods`` for others that bat
 same seed: ``sequential`` = one client after another with ``run.cuda_graphs`` (the fastest path before this
 issue), ``cohort`` = ``run.cohort = K`` (K = the round's 10 clients) without graphs. Reported per method and path:
 seconds per round (the mean of rounds 2..R: round 1 carries the CUDA context, cuDNN's choices and the captures),
-training samples per second, the final accuracy, and the cohort's padded slots (steps spent masked because its
-clients have different step counts). The GPU's busy share comes from ``profile_gpu_round.py --cohort K`` (gpu_check.sh's
+training samples per second, the final accuracy, and the cohort's padded slots over the run (steps spent masked
+because its clients have different step counts). The GPU's busy share comes from ``profile_gpu_round.py --cohort K`` (gpu_check.sh's
 ``cohort`` stage runs both).
 
 Targets (the issue): FedAvg's round at or under 0.075 s (5x the 0.37 s of the H200's graphed round) at the same
@@ -57,7 +57,7 @@ def one_run(dataset, method: str, path: str, args: argparse.Namespace) -> dict:
     return {
         "method": method, "path": path, "seconds_per_round": mean,
         "samples_per_second": samples / sum(seconds) if seconds and samples else None,
-        "final_accuracy": row.get("test_accuracy"), "padded_slots_last_round": getattr(executor, "padded_slots", None),
+        "final_accuracy": row.get("test_accuracy"), "padded_slots": getattr(executor, "padded_slots", None),
     }  # fmt: skip
 
 
@@ -81,7 +81,7 @@ def main() -> None:
             rows.append(r)
             sps = f"{r['samples_per_second']:,.0f}" if r["samples_per_second"] else "-"
             print(f"| {method} | {path} | {r['seconds_per_round']:.3f} | {sps} | {r['final_accuracy']:.2f} | "
-                  f"{r['padded_slots_last_round'] if r['padded_slots_last_round'] is not None else '-'} |", flush=True)  # fmt: skip
+                  f"{r['padded_slots'] if r['padded_slots'] is not None else '-'} |", flush=True)  # fmt: skip
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": name, "precision": args.precision, "rounds": args.rounds, "rows": rows}, f, indent=2)

@@ -20,6 +20,7 @@ from typing import Any, Callable, Literal
 import torch
 from pydantic import Field
 
+from ..engine.cohort import GRADIENT_OFFSET
 from ..models.flat import add_to_gradients, flat_parameters, trainable_mask, trainable_parameters
 from ..registry import ALGORITHMS
 from .aggregate import aggregation_weights
@@ -54,6 +55,18 @@ class FedNova(FedAvg):
             return None
         # g ← g + (d̄ − d_k^prev) with d̄ ≡ 0 in the reference code; weight decay and momentum follow.
         return add_to_gradients(trainable_parameters(client.model), client.fixed("fednova.d_prev", d_prev), sign=-1.0)
+
+    def cohort_term(self, client: ClientContext, msg: Message) -> tuple[object, dict[str, torch.Tensor]] | None:
+        """On a cohort step (engine/cohort.py) the plain step, or with the quirk's shift −d_k^prev as the client's
+        gradient offset. Every client of a cohort has the same fixed keys, so a client without d_k^prev (its first
+        participation) gets a zero offset when the quirk is on."""
+        if self.params.grad_clip is not None:
+            return None
+        if self.params.ccvr != "fedntd_quirk":
+            return None, {}
+        size = sum(p.numel() for p in trainable_parameters(client.model))
+        d_prev = client.state.get("fednova_d")
+        return None, {GRADIENT_OFFSET: -(d_prev if d_prev is not None else torch.zeros(size))}
 
     def graph_key(self, client: ClientContext, msg: Message) -> tuple:
         return ()  # d_k^prev through client.fixed (a client without one has the plain step)

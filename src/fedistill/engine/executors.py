@@ -78,7 +78,7 @@ class CohortExecutor(SequentialExecutor):
     def __init__(self, client_runtime: Any, size: int) -> None:
         super().__init__(client_runtime)
         self.size = size
-        self.padded_slots = 0  # the last round's masked slots (clients of a cohort with fewer steps than its longest)
+        self.padded_slots = 0  # masked slots so far (clients of a cohort with fewer steps than its longest)
 
     def run(self, tasks: Sequence[Task]) -> list[Result]:
         runtime = self.client_runtime
@@ -88,7 +88,6 @@ class CohortExecutor(SequentialExecutor):
         for position, (cid, _, _, _) in enumerate(tasks):
             groups.setdefault(runtime.architecture(cid), []).append(position)
         results: list[Any] = [None] * len(tasks)
-        self.padded_slots = 0
         for positions in groups.values():
             for start in range(0, len(positions), self.size):
                 self._train_cohort(tasks, positions[start : start + self.size], results)
