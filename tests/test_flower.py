@@ -308,6 +308,9 @@ def test_resume_and_run_dir_messages_name_run_config_keys(tmp_path):
         assert re.search(pattern, message), message
         assert "\n" not in message and not re.search(r"--(resume|name|out)\b", message), message
     assert not missing.exists() and sorted(p.name for p in not_a_run.iterdir()) == ["notes"]
+    with pytest.raises(ConfigError, match="run.cohort: cohort training stacks clients in one process"):
+        flower_app.run_server(None, flower_config(rounds=1, **{"run.cohort": 2, "run.workers": 1}), FlowerSettings(run_dir=str(tmp_path / "cohort")))
+    assert not (tmp_path / "cohort").exists()
 
 
 def test_fake_grid_refused_resumes_rewrite_nothing_and_numeric_changes_are_recorded(tmp_path, keep_threads, task_identity):
