@@ -159,6 +159,18 @@ def test_a_cohort_run_keeps_the_sequential_runs_weights_and_accuracy(digits, alg
         assert (mine["bytes_up"], mine["bytes_down"]) == (theirs["bytes_up"], theirs["bytes_down"])
 
 
+@pytest.mark.parametrize("base, plus", [("fedlmd", {"fedprox": {"mu": 0.01}}), ("fedntd", {"scaffold": {}, "fedrs": {}})])
+def test_a_combination_batches_its_parts_terms_together(digits, base, plus):
+    """algorithm.plus: FedLMD + FedProx (two loss terms, one with a teacher) and FedNTD + SCAFFOLD + FedRS (a term, a
+    gradient offset and logit scales) batch as one cohort term and stay with their sequential runs."""
+    sequential_sim, expected = cohort_run(base, None, digits, **{"algorithm.plus": plus})
+    cohort_sim, history = cohort_run(base, 3, digits, **{"algorithm.plus": plus})
+    a, b = get_flat(sequential_sim.server.model), get_flat(cohort_sim.server.model)
+    assert cohort_sim.cohort_steps > 0 and float((a - b).norm() / a.norm()) < 1e-4
+    assert [r["test_accuracy"] for r in history] == pytest.approx([r["test_accuracy"] for r in expected], abs=0.1)
+    assert [r["train_loss"] for r in history] == pytest.approx([r["train_loss"] for r in expected], rel=1e-6)
+
+
 def test_fednovas_shift_batches_as_a_gradient_offset(digits):
     """FedNova with the reference code's shift (ccvr fedntd_quirk): −d_k^prev as each client's gradient offset, a
     zero one in its first round; the run stays with the sequential one."""

@@ -41,6 +41,7 @@ from typing import Any, Callable, Hashable
 
 import torch
 
+from ..engine.cohort import GRADIENT_OFFSET, LOGIT_SCALE
 from ..errors import ConfigError
 from .aggregate import ServerOptimizer
 from .base import ClientContext, Message, RoundInfo, ServerContext
@@ -234,6 +235,43 @@ class Composite(FedAvg):
 
     def reply_extras(self, client: ClientContext, info: RoundInfo, msg: Message, result: LocalResult) -> dict[str, Any]:
         return self._merge("reply", [p.reply_extras(client, info, msg, result) for p in self.parts])
+
+    def cohort_term(self, client: ClientContext, msg: Message) -> tuple[Any, dict[str, torch.Tensor]] | None:
+        """The parts' cohort terms together (engine/cohort.py), as the sequential hooks combine them: loss terms
+        summed in the listed order, gradient offsets added, logit scales multiplied (each part's transform is a
+        per-class scale, so chaining them is their product), one teacher (every part's is the round's global
+        model). None, so that the clients train sequentially, when a part's step cannot batch or two parts hold
+        another fixed row under one name."""
+        plans = [getattr(part, "cohort_term", lambda c, m: None)(client, msg) for part in self.parts]
+        if any(plan is None for plan in plans):
+            return None
+        terms = [term for term, _ in plans if term is not None]
+        fixed: dict[str, torch.Tensor] = {}
+        for _, rows in plans:
+            for key, value in rows.items():
+                if key not in fixed:
+                    fixed[key] = value
+                elif key == GRADIENT_OFFSET:
+                    fixed[key] = fixed[key] + value
+                elif key == LOGIT_SCALE:
+                    fixed[key] = fixed[key] * value
+                elif key != "teacher" or not torch.equal(fixed[key], value):
+                    return None
+        if not terms:
+            return None, fixed
+        if len(terms) == 1:
+            return terms[0], fixed
+
+        def summed(params, x, y, logits, mask, rows):
+            total = terms[0](params, x, y, logits, mask, rows)
+            for term in terms[1:]:
+                total = total + term(params, x, y, logits, mask, rows)
+            return total
+
+        summed.needs_teacher = any(getattr(t, "needs_teacher", False) for t in terms)
+        summed.needs_features = any(getattr(t, "needs_features", False) for t in terms)
+        summed.frozen_features = tuple(k for t in terms for k in getattr(t, "frozen_features", ()))
+        return summed, fixed
 
     def graph_key(self, client: ClientContext, msg: Message) -> Hashable | None:
         # Capturable when every part is; the parts' keys together describe the chained closures.
