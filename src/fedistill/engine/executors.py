@@ -82,7 +82,10 @@ class CohortExecutor(SequentialExecutor):
 
     def run(self, tasks: Sequence[Task]) -> list[Result]:
         runtime = self.client_runtime
-        if getattr(runtime.algorithm, "cohort_term", None) is None:
+        algorithm = runtime.algorithm
+        # A method without the hook, or one whose clients score their own model right after training (personal
+        # model "local": ClientRuntime.update does that per client), trains sequentially.
+        if getattr(algorithm, "cohort_term", None) is None or getattr(algorithm, "personal_model", "global") == "local":
             return super().run(tasks)
         groups: dict[str, list[int]] = {}
         for position, (cid, _, _, _) in enumerate(tasks):
