@@ -114,7 +114,7 @@ class CohortExecutor(SequentialExecutor):
                 continue
             term, fixed = plan
             planned.append((position, ctx, term, fixed))
-            starts.append(get_flat(ctx.model).to(runtime.device))
+            starts.append(get_flat(ctx.model, host=False))  # stays on the device: no host round trip per client
             # every epoch's batches, drawn from the client's stream in local_sgd's order (no draw in between)
             batches.append([b for _ in range(local.epochs) for b in ctx.data.epoch_batches(ctx.train_indices, local.batch_size, ctx.generator)])
         if not planned:

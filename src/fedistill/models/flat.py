@@ -25,10 +25,12 @@ def num_flat(model: nn.Module) -> int:
 
 
 @torch.no_grad()
-def get_flat(model: nn.Module) -> torch.Tensor:
-    """A new float32 CPU vector with the model's floating-point state."""
+def get_flat(model: nn.Module, host: bool = True) -> torch.Tensor:
+    """A new float32 vector with the model's floating-point state, on the CPU (``host=False``: where the model
+    lives, with no device-to-host copy: a cohort's stacked weights on a GPU, engine/cohort.py)."""
     # Concatenated where the model lives, then copied once: one device-to-host wait per model, not per tensor.
-    return torch.cat([t.detach().reshape(-1).float() for t in float_state(model)]).cpu()
+    flat = torch.cat([t.detach().reshape(-1).float() for t in float_state(model)])
+    return flat.cpu() if host else flat
 
 
 @torch.no_grad()
