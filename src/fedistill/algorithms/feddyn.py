@@ -77,7 +77,7 @@ class FedDyn(FedAvg):
         """The same terms on a cohort step (engine/cohort.py): the anchor, g_k and α_k as each client's rows."""
         if self.params.grad_clip is not None:
             return None
-        anchor = torch.cat([p.detach().reshape(-1) for p in trainable_parameters(client.model)])
+        anchor = flat_parameters(client.model)  # the received trainable weights
         g = client.state.setdefault("feddyn_g", torch.zeros(anchor.numel()))
 
         def dyn(params, x, y, logits, mask, fixed):

@@ -18,6 +18,7 @@ from pydantic import Field
 
 from ..engine.cohort import proximal_term as cohort_proximal_term
 from ..losses import proximal_term
+from ..models.flat import flat_parameters
 from ..registry import ALGORITHMS
 from .base import ClientContext, Message
 from .fedavg import FedAvg, FedAvgParams
@@ -60,8 +61,7 @@ class FedProx(FedAvg):
         the gradient-hook form and a gradient clip keep the sequential step."""
         if self.params.implementation != "loss" or self.params.grad_clip is not None:
             return None
-        anchor = torch.cat([p.detach().reshape(-1) for p in client.model.parameters() if p.requires_grad])
-        return cohort_proximal_term(self.params.mu), {"global": anchor}
+        return cohort_proximal_term(self.params.mu), {"global": flat_parameters(client.model)}
 
     def graph_key(self, client: ClientContext, msg: Message) -> tuple:
         return ()  # anchors through client.fixed; μ and the implementation are the same for every client
