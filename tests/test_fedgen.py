@@ -11,7 +11,7 @@ from conftest import assert_learns, assert_resume_is_exact, assert_same_rounds, 
 from fedistill.algorithms.base import Message
 from fedistill.algorithms.fedgen import ADAM_KEYS, GENERATOR_KEY
 from fedistill.simulation import Simulation
-from fedistill.losses import class_ensemble_weights, diversity_loss, fedgen_teacher_loss, qualified_labels
+from fedistill.losses import class_ensemble_weights, diversity_loss, fedgen_teacher_loss, qualified_labels, stacked_head_logits
 from fedistill.models import build_model
 from fedistill.models.flat import get_flat, num_flat, set_flat
 from fedistill.models.generators import FeatureGenerator
@@ -403,3 +403,16 @@ def test_server_generator_trains_in_train_mode_and_never_touches_the_bn_models_s
     trained = algorithm._generator.load(server)
     torch.testing.assert_close(trained.bn.running_mean, expected_mean, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(trained.bn.running_var, expected_var, rtol=1e-5, atol=1e-6)
+
+
+def test_stacked_head_logits_is_each_head_applied_in_turn():
+    """[k, b, c] = Σ_d W_k[c, d] z_b[d] + b_k[c], written out with loops (both FedGen forms use it)."""
+    g = torch.Generator().manual_seed(3)
+    z, w, b = torch.randn(4, 5, generator=g), torch.randn(3, 2, 5, generator=g), torch.randn(3, 2, generator=g)
+    out = stacked_head_logits(z, w, b)
+    assert out.shape == (3, 4, 2)
+    for k in range(3):
+        for i in range(4):
+            for c in range(2):
+                expected = sum(float(w[k, c, d]) * float(z[i, d]) for d in range(5)) + float(b[k, c])
+                assert float(out[k, i, c]) == pytest.approx(expected, abs=1e-5)

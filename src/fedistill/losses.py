@@ -409,6 +409,13 @@ def qualified_labels(counts: torch.Tensor, min_samples: int = 1) -> torch.Tensor
     return counts.max(dim=0).values > min_samples
 
 
+def stacked_head_logits(features: torch.Tensor, head_weights: torch.Tensor, head_biases: torch.Tensor) -> torch.Tensor:
+    """K linear heads on one batch of features at once: ``(B, d)`` features, ``(K, C, d)`` weights and ``(K, C)``
+    biases give ``(K, B, C)`` logits, ``[k, b] = W_k z_b + b_k`` (FedGen's frozen client heads on the generator's
+    features, spec/fedgen.md §3 and §8)."""
+    return torch.einsum("bd,kcd->kbc", features, head_weights) + head_biases[:, None, :]
+
+
 def fedgen_teacher_loss(
     head_logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor, weighting: str = "per_sample"
 ) -> torch.Tensor:

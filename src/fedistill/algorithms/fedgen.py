@@ -46,6 +46,7 @@ from ..losses import (
     fedgen_client_regulariser,
     fedgen_teacher_loss,
     qualified_labels,
+    stacked_head_logits,
 )
 from ..models.flat import float_state, set_flat
 from ..models.generators import FeatureGenerator, draw_noise
@@ -239,7 +240,7 @@ class FedGen(FedAvg):
             with autocast_context(server.precision, device):
                 features = generator(eps, y)
             # Every head at once: (K, B, M) logits of the frozen heads on the generated features.
-            logits = torch.einsum("bl,kml->kbm", features.float(), head_w) + head_b[:, None, :]
+            logits = stacked_head_logits(features.float(), head_w, head_b)
             teacher = fedgen_teacher_loss(logits, y, weights, p.cls_weighting)
             diversity = diversity_loss(features, eps)
             loss = p.alpha_ens * teacher + p.eta_ens * diversity

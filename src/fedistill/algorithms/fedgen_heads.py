@@ -35,6 +35,7 @@ import torch.nn.functional as F
 
 from ..engine.seeding import FEDGEN, FEDGEN_HEAD, make_generator
 from ..errors import ConfigError
+from ..losses import stacked_head_logits
 from ..models.flat import get_flat, set_flat
 from ..models.generators import FeatureGenerator, draw_noise
 from ..protocol import Exchange, metric_items
@@ -68,7 +69,7 @@ def ensemble_head_loss(
 ) -> torch.Tensor:
     """The server's generator loss (card §8, H4): ``CE( Σ_k w_k (W_k z + b_k), y )`` over a batch of generated
     features z, heads ``(K, C, d)`` and ``(K, C)``, shares w ``(K,)`` summing to 1."""
-    logits = torch.einsum("bd,kcd->kbc", features, head_weights) + head_biases[:, None, :]
+    logits = stacked_head_logits(features, head_weights, head_biases)
     return F.cross_entropy((shares[:, None, None] * logits).sum(0), labels)
 
 
