@@ -11,7 +11,8 @@ T = 1, which a student that copies it also learns as a prior on real images).
         --variant default: --variant probs:algorithm.ensemble_space=probs [--out rows.jsonl]
 
 A variant is ``NAME:KEY=VALUE[,KEY=VALUE...]`` with the keys of ``fedistill run --set``; an empty list is the
-dumped config itself. ``--precision fp32`` replays the step in fp32 instead of the run's bf16.
+dumped config itself. ``--precision fp32`` replays the step in fp32 instead of the run's bf16; ``--save-students DIR`` keeps each
+variant's student for ``replay_dafkd_next_clients.py --start-file``.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from fedistill.runner import load_dataset_for
 from fedistill.simulation import Simulation
 
 
-def replay(dump: dict, overrides: list[str]) -> dict:
+def replay(dump: dict, overrides: list[str], save_student: str | None = None) -> dict:
     cfg = build_config(dump["config"], dict(parse_override(o) for o in overrides))
     sim = Simulation(cfg, load_dataset_for(cfg))
     runtime, algorithm = sim.server_runtime, sim.algorithm
@@ -53,6 +54,11 @@ def replay(dump: dict, overrides: list[str]) -> dict:
     histogram = torch.as_tensor(predictions).double()
     row.update(acc_after=acc, loss_after=loss, predicted_class_share_after=round(float(histogram.max()) / float(histogram.sum()), 3))
     row.update({k: v for k, v in metrics.items() if not k.endswith("seconds")})
+    if save_student:  # the flat student, for replay_dafkd_next_clients.py --start-file
+        from fedistill.models.flat import get_flat
+
+        torch.save(get_flat(server.model).clone(), save_student)
+        row["student_file"] = save_student
     sim.close()
     return row
 
@@ -63,6 +69,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--variant", action="append", default=[], metavar="NAME:KEY=VALUE,...")
     parser.add_argument("--precision", default=None, choices=["fp32", "bf16"])
     parser.add_argument("--out", default=None)
+    parser.add_argument(
+        "--save-students", default=None, metavar="DIR",
+        help="save each variant's student (flat) as DIR/<dump name>_<variant>.pt, to start the next round's clients "
+        "from it with replay_dafkd_next_clients.py --start-file",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     variants = [v.partition(":") for v in (args.variant or ["dumped:"])]
     rows = []
@@ -72,7 +83,13 @@ def main(argv: list[str] | None = None) -> int:
             overrides = ["run.progress=false", "run.threads=1", *filter(None, spec.split(","))]
             if args.precision:
                 overrides.append(f"run.precision={args.precision}")
-            row = {"dump": path, "variant": name, **replay(dump, overrides)}
+            student = None
+            if args.save_students:
+                from pathlib import Path
+
+                Path(args.save_students).mkdir(parents=True, exist_ok=True)
+                student = str(Path(args.save_students) / f"{Path(path).stem}_{name}.pt")
+            row = {"dump": path, "variant": name, **replay(dump, overrides, student)}
             rows.append(row)
             print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}), flush=True)
     if args.out:

@@ -186,16 +186,23 @@ def test_distillation_changes_the_average_from_round_two(digits):
     assert metrics["dafkd_kd_loss"] >= -1e-6 and metrics["dafkd_refine_seconds"] > 0
 
 
-@pytest.mark.parametrize("teacher_scale", ["raw", "aggregate"])
-def test_the_default_distils_the_mixture_with_the_aggregates_class_prior_written_out(digits, monkeypatch, teacher_scale):
-    """Issue 61's default in the server's step, written out from the teachers' raw scores: the teachers' logits
-    mixed with Eq. 7's ``α̂ = f_k / Σ_j f_j`` as logits at T (the code), then the mixture ``q`` times ``s̄_ŵ / q̄``,
-    renormalised (ambiguity 19), with ``s̄_ŵ`` the batch mean of ŵ's ``softmax(z/T)``; and that costs the model's
-    BN buffers nothing. With the option ``teacher_scale: aggregate`` (ambiguity 20) each teacher's logits are
-    first centred and scaled, sample by sample, to the standard deviation of ŵ's logits."""
+@pytest.mark.parametrize(
+    ("teacher_scale", "target_prior"), [("raw", None), ("aggregate", None), ("raw", "aggregate")]
+)  # fmt: skip
+def test_the_default_distils_the_mixture_with_a_uniform_class_prior_written_out(digits, monkeypatch, teacher_scale, target_prior):
+    """Issue 61's default in the server's step, written out from the teachers' raw scores: the teachers'
+    ``softmax(z_k/T)`` mixed with Eq. 7's ``α̂ = f_k / Σ_j f_j`` (Eq. 8, the paper's probability space at T = 1;
+    ambiguity 22), then the mixture ``q`` times ``(1/M) / q̄``, renormalised (ambiguities 19 and 22: every class
+    an equal share of the batch); and that costs the model's BN buffers nothing. With the option ``target_prior:
+    aggregate`` (ambiguity 19) the share is ŵ's own, ``s̄_ŵ``, the batch mean of ŵ's ``softmax(z/T)``. With the
+    option ``teacher_scale: aggregate`` (ambiguity 20) each teacher's logits are first centred and scaled, sample by
+    sample, to the standard deviation of ŵ's logits."""
     import fedistill.algorithms.dafkd as dafkd_module
 
-    sim = Simulation(small_config(**DAFKD, **QUICK, **{"algorithm.teacher_scale": teacher_scale}), digits)
+    options = {"algorithm.teacher_scale": teacher_scale}
+    if target_prior:
+        options["algorithm.target_prior"] = target_prior
+    sim = Simulation(small_config(**DAFKD, **QUICK, **options), digits)
     sim.run_round(1)
     info, replies = _round(sim, 2)
     algorithm, server = sim.algorithm, sim.server
@@ -231,14 +238,16 @@ def test_the_default_distils_the_mixture_with_the_aggregates_class_prior_written
     alpha = f / f.sum(0)
     centred = z - z.mean(2, keepdim=True)
     scaled = centred * (r.std(1, unbiased=False)[None, :, None] / centred.std(2, unbiased=False, keepdim=True))
-    q_scaled = torch.softmax((alpha[..., None] * scaled).sum(0) / t, dim=1)
-    q_raw = torch.softmax((alpha[..., None] * z).sum(0) / t, dim=1)
+    assert algorithm.params.ensemble_space == "probs" and t == 1.0
+    q_scaled = (alpha[..., None] * torch.softmax(scaled / t, dim=2)).sum(0)
+    q_raw = (alpha[..., None] * torch.softmax(z / t, dim=2)).sum(0)
     q = q_scaled if teacher_scale == "aggregate" else q_raw
-    s_hat = torch.softmax(r / t, dim=1)
+    s_hat = torch.softmax(r / t, dim=1) if target_prior == "aggregate" else torch.full_like(q, 0.1)  # M = 10
+    assert algorithm.params.target_prior == (target_prior or "uniform")
     expected = q * (s_hat.mean(0) / q.mean(0))
     expected = expected / expected.sum(1, keepdim=True)
     assert torch.allclose(seen["target"], expected.log(), atol=1e-5)
-    # the prior correction changes this target (T = 20: q_ic ≈ 1/10) by 20x the tolerance above, and so does the scaling
+    # the prior correction changes this target by far more than the tolerance above, and so does the scaling
     assert float((expected.log() - q.log()).abs().max()) > 2e-4
     if teacher_scale == "aggregate":
         assert float((q_scaled.log() - q_raw.log()).abs().max()) > 2e-4
@@ -355,24 +364,26 @@ def test_profiles_fill_unset_switches_and_explicit_values_win():
     assert (p.generator_lr, p.generator_weight_decay) == (1e-4, 1e-4)
     assert p.target_prior == "teachers" and p.teacher_scale == "raw"
     # The default: the code's switches, the joint step on Adam 1e-4 while D trains (the run's SGD after), the
-    # penalty on the logit and the aggregate's class prior in the server's target (issue 61).
+    # penalty on the logit and a uniform class prior in the server's target (issue 61).
     default = make_algorithm(small_config(**DAFKD)).params
     assert default.profile == "default"
     for name in DaFKDParams.model_fields:
         if name not in (
             "profile", "client_optimizer", "client_lr", "gradient_penalty_on", "target_prior", "teacher_scale",
-            "distill_optimizer", "distill_lr",
+            "distill_optimizer", "distill_lr", "ensemble_space", "temperature",
         ):  # fmt: skip
             assert getattr(default, name) == getattr(p, name), name
     assert (default.client_optimizer, default.client_lr, default.client_weight_decay) == ("adam_gan", 1e-4, 0.0)
     assert default.gradient_penalty_on == "logit"
-    assert default.target_prior == "aggregate" and default.teacher_scale == "raw"
+    assert default.target_prior == "uniform" and default.teacher_scale == "raw"
     # and the server's distillation on SGD at the paper's lr (issue 61, card ambiguity 21)
     assert (default.distill_optimizer, default.distill_lr, default.distill_momentum) == ("sgd", 1e-2, 0.9)
+    # and the teachers mixed as probabilities at T = 1, the paper's Eq. 8 (issue 61, card ambiguity 22)
+    assert (default.ensemble_space, default.temperature, default.kd_reduction) == ("probs", 1.0, "mean")
     # privacy mode cannot rescale the teachers (the server sees only the secure sums): asking for both is refused
     # with the way out
     private = make_algorithm(small_config(**DAFKD, **{"algorithm.privacy": True})).params
-    assert private.teacher_scale == "raw" and private.target_prior == "aggregate"
+    assert private.teacher_scale == "raw" and private.target_prior == "uniform"
     with pytest.raises(ConfigError, match="teacher_scale: raw"):
         make_algorithm(small_config(**DAFKD, **{"algorithm.privacy": True, "algorithm.teacher_scale": "aggregate_cap"}))
     paper = make_algorithm(small_config(**DAFKD, **{"algorithm.profile": "paper"})).params
@@ -795,7 +806,8 @@ def test_bn_teachers_score_batch_by_batch_in_train_mode_and_a_frozen_student_kee
 
     small = resized(digits, 16)
     base = {**DAFKD, **QUICK, "dataset.resize": 16, "model.name": "resnet11", "model.kwargs": {"width": 4},
-            "algorithm.distill_batch_size": 16, "algorithm.distill_epochs": 1}  # fmt: skip
+            "algorithm.distill_batch_size": 16, "algorithm.distill_epochs": 1,
+            "algorithm.ensemble_space": "logits", "algorithm.temperature": 20.0}  # the code's mixture  # fmt: skip
     sim = Simulation(small_config(**base), small)
     sim.run_round(1)
     info, replies = _round(sim, 2)  # one federation round; its server step runs once per setting below
@@ -832,7 +844,7 @@ def test_bn_teachers_score_batch_by_batch_in_train_mode_and_a_frozen_student_kee
 
 
 def test_server_step_moves_the_average_to_the_teachers_and_raises_accuracy_where_they_are_better(digits):
-    """Issue 24's end-to-end check of the server step itself, on the label-skewed digits (α = 0.5): the default
+    """Issue 24's end-to-end check of the server step itself, on the label-skewed digits (α = 0.5): the code
     profile's distillation (importance-weighted teachers mixed as logits at T = 20, the code's Adam 1e-4, 40 epochs) fed 512
     real images without their labels in place of the generator's, with the mixture distilled as it is (the code's
     target; the default's correction of its class prior is tested below). On those inputs the distilled model must
@@ -845,6 +857,7 @@ def test_server_step_moves_the_average_to_the_teachers_and_raises_accuracy_where
         rounds=4, clients_per_round=5,
         **{"algorithm.name": "dafkd", "partition.num_clients": 10, "partition.alpha": 0.5, "local.epochs": 2,
            "algorithm.target_prior": "teachers", "algorithm.teacher_scale": "raw",
+           "algorithm.ensemble_space": "logits", "algorithm.temperature": 20.0,  # the code's mixture
            # the code's Adam: on this seed its rounds have teachers 2+ points above ŵ, which the check needs (the
            # default's SGD step reproduces its target here too, agreement 0.95-0.99, but its rounds have none;
            # the SGD update itself is written out in the plateau test)
@@ -941,6 +954,10 @@ def test_prior_corrected_target_written_out():
     assert torch.allclose(prior_corrected_target(log_q, log_q), log_q, atol=1e-5)
     assert torch.equal(distillation_target(log_q, lambda: log_r, "teachers"), log_q)
     assert torch.equal(distillation_target(log_q, lambda: log_r, "aggregate"), got)
+    uniform = prior_corrected_target(log_q, torch.full_like(log_q, -math.log(3)))
+    by_hand = [[q[i][c] / q_bar[c] / sum(q[i][d] / q_bar[d] for d in range(3)) for c in range(3)] for i in range(6)]
+    assert torch.allclose(uniform.exp(), torch.tensor(by_hand), atol=1e-6)  # q_ic / q̄_c, renormalised
+    assert torch.equal(distillation_target(log_q, lambda: log_r, "uniform"), uniform)
 
 
 def _blobs(n, gen, means):
@@ -948,14 +965,14 @@ def _blobs(n, gen, means):
     return means[labels] + torch.randn(n, means.shape[1], generator=gen), labels
 
 
-@pytest.mark.parametrize("target_prior", ["default", "teachers"])
-def test_one_class_teachers_throw_the_student_to_chance_unless_the_target_keeps_the_aggregates_prior(target_prior):
+@pytest.mark.parametrize("target_prior", ["default", "aggregate", "teachers"])
+def test_one_class_teachers_throw_the_student_to_chance_unless_the_target_corrects_their_prior(target_prior):
     """Issue 61's mechanism on a small case. Four Gaussian classes; a student (ŵ) at about 97 %; three teachers
     that are a better model of the same data plus +6 on class 0's logit (every near-one-class client prefers its
-    class, and here they share one). On noise inputs (the generator's samples) the logit-space mixture names
-    class 0 for every sample. Distilled as it is (the code's, ``teachers``), with the default's T = 20, Adam 1e-4
-    and 40 epochs, the student learns the +6 as a prior and every real sample goes to class 0: chance. With the
-    default's target (the aggregate's prior on the batch) it keeps its accuracy and moves towards the teachers'
+    class, and here they share one). On noise inputs (the generator's samples) the mixture names class 0 for
+    every sample. Distilled as it is (the code's, ``teachers``), with the default's mixture and 40 epochs, the
+    student learns the +6 as a prior and every real sample goes to class 0: chance. With the default's target (a
+    uniform prior on the batch) or the aggregate's prior it keeps its accuracy and moves towards the teachers'
     per-sample preferences (it gains). This test fails if the default distils the teachers' prior."""
     from torch import nn
 
@@ -990,8 +1007,8 @@ def test_one_class_teachers_throw_the_student_to_chance_unless_the_target_keeps_
     with torch.no_grad():
         better[2].bias[0] += 6.0
     p = make_algorithm(small_config(**DAFKD)).params
-    if target_prior == "teachers":
-        p = p.model_copy(update={"target_prior": "teachers"})
+    if target_prior != "default":
+        p = p.model_copy(update={"target_prior": target_prior})
     p = p.model_copy(update={"distill_samples": 320})  # 10 batches x 40 epochs: the default's epochs and rates
     noise = 2 * torch.randn(p.distill_samples, 8, generator=gen)
     with torch.no_grad():
@@ -1006,3 +1023,116 @@ def test_one_class_teachers_throw_the_student_to_chance_unless_the_target_keeps_
         assert after < 30.0 and share > 0.95, (after, share)  # chance: 25 %
     else:
         assert after > before, (before, after)
+
+
+@pytest.mark.parametrize("mixture", ["default", "logits_t20"])
+def test_one_loud_teacher_outvotes_the_rest_in_logit_space_and_not_as_probabilities(mixture):
+    """Issue 61's second mechanism (card ambiguity 22) on a small case. Four Gaussian classes; a student (ŵ) at
+    about 97 %; three teachers that are a better model of the same data, routed 0.3 each on every sample, and one
+    loud one-class teacher routed 0.1: a random head with logits hundreds wide that vary from sample to sample
+    (MNIST α = 0.05 seed 4's round-5 teachers: spreads up to 802 on the generated batch, the aggregate's 7). Mixed
+    as logits at T = 20 (the code's), 0.1 of the loud teacher's logits outweighs 0.9 of the others' on most
+    samples, the target follows its noise and the student loses 20 points in one step. Mixed as probabilities at
+    T = 1 (the paper's Eq. 8, the default), the loud teacher moves each target by at most its 0.1 and the student
+    gains. This test fails if the default mixes logits or a teacher's vote is not bounded by its weight."""
+    from torch import nn
+
+    gen = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
+    means = 3 * torch.randn(4, 8, generator=gen)
+    x_train, y_train = _blobs(2000, gen, means)
+    x_test, y_test = _blobs(2000, gen, means)
+
+    def mlp():
+        return nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 4))
+
+    def train(model, steps):
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+        for _ in range(steps):
+            loss = torch.nn.functional.cross_entropy(model(x_train), y_train)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+        return model
+
+    def accuracy(model):
+        with torch.no_grad():
+            return 100.0 * float((model(x_test).argmax(1) == y_test).float().mean())
+
+    student = train(mlp(), 3)
+    better = mlp()
+    better.load_state_dict(student.state_dict())
+    train(better, 60)
+    loud = mlp()
+    with torch.no_grad():
+        loud[2].weight.mul_(60.0)
+        loud[2].bias[0] += 300.0
+    p = make_algorithm(small_config(**DAFKD)).params.model_copy(update={"distill_samples": 320})
+    if mixture == "logits_t20":
+        p = p.model_copy(update={"ensemble_space": "logits", "temperature": 20.0})
+    noise = 2 * torch.randn(p.distill_samples, 8, generator=gen)
+    before = accuracy(student)
+    assert 90.0 < before < accuracy(better) - 1.0
+    with torch.no_grad():
+        loud_logits, good_logits = loud(noise), better(noise)
+        spread = lambda z: float((z.max(1).values - z.min(1).values).mean())  # noqa: E731
+        assert spread(loud_logits) > 100 * spread(good_logits)
+        log_alpha = torch.tensor([0.3, 0.3, 0.3, 0.1]).log()[:, None].expand(4, noise.shape[0])
+        log_q = domain_aware_teacher(torch.stack([good_logits] * 3 + [loud_logits]), log_alpha, p.temperature, p.ensemble_space)
+        agreement = float((log_q.argmax(1) == good_logits.argmax(1)).float().mean())
+        target = distillation_target(log_q, lambda: torch.log_softmax(student(noise) / p.temperature, dim=1), p.target_prior)
+    distil(student, noise, target, p, "fp32")
+    after = accuracy(student)
+    if mixture == "logits_t20":
+        assert agreement < 0.5 and after < before - 10.0, (agreement, before, after)
+    else:
+        assert agreement > 0.85 and after > before, (agreement, before, after)
+
+
+@pytest.mark.parametrize("target_prior", ["default", "aggregate"])
+def test_an_aggregate_at_chance_is_lifted_by_the_uniform_prior_and_held_there_by_its_own(target_prior):
+    """Issue 61's third mechanism (card ambiguity 22) on a small case: the clients' average itself at chance (MNIST
+    α = 0.05 seed 4 round 6: 9.9 %, one class for the whole test set). Four Gaussian classes; ŵ is a good model
+    with +20 on class 0's logit, so it calls every sample class 0 (chance, 25 %); three good teachers. The
+    aggregate's prior (``target_prior: aggregate``) moves the target's class shares on the batch to ŵ's own,
+    about all class 0, so the target names class 0 again and the step keeps ŵ at chance (the replay of that round:
+    9.9 → 10.2 %). A uniform prior (the default) keeps the teachers' per-sample preferences and gives each class
+    an equal share, and the student recovers (the replay: 9.9 → 61.7 %). This test fails if the default takes
+    the aggregate's prior."""
+    from torch import nn
+
+    gen = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
+    means = 3 * torch.randn(4, 8, generator=gen)
+    x_train, y_train = _blobs(2000, gen, means)
+    x_test, y_test = _blobs(2000, gen, means)
+    good = nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 4))
+    optimizer = torch.optim.SGD(good.parameters(), lr=0.05)
+    for _ in range(60):
+        loss = torch.nn.functional.cross_entropy(good(x_train), y_train)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    student = nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 4))
+    student.load_state_dict(good.state_dict())
+    with torch.no_grad():
+        student[2].bias[0] += 20.0
+
+    def accuracy(model):
+        with torch.no_grad():
+            return 100.0 * float((model(x_test).argmax(1) == y_test).float().mean())
+
+    assert accuracy(student) < 30.0 < 90.0 < accuracy(good)
+    p = make_algorithm(small_config(**DAFKD)).params.model_copy(update={"distill_samples": 320})
+    if target_prior != "default":
+        p = p.model_copy(update={"target_prior": target_prior})
+    noise = 2 * torch.randn(p.distill_samples, 8, generator=gen)
+    with torch.no_grad():
+        log_q = domain_aware_teacher(torch.stack([good(noise)] * 3), torch.full((3, noise.shape[0]), -math.log(3)), p.temperature, p.ensemble_space)
+        target = distillation_target(log_q, lambda: torch.log_softmax(student(noise) / p.temperature, dim=1), p.target_prior)
+    distil(student, noise, target, p, "fp32")
+    after = accuracy(student)
+    if target_prior == "aggregate":
+        assert after < 30.0, after
+    else:
+        assert after > 80.0, after
