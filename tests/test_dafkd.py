@@ -965,6 +965,44 @@ def _blobs(n, gen, means):
     return means[labels] + torch.randn(n, means.shape[1], generator=gen), labels
 
 
+class _BlobTask:
+    """The small case of issue 61's mechanism tests: four Gaussian classes in 8 dimensions (2,000 training and
+    2,000 test samples from ``gen``, seeded 0), a one-hidden-layer MLP, full-batch SGD and test accuracy."""
+
+    def __init__(self):
+        self.gen = torch.Generator().manual_seed(0)
+        torch.manual_seed(0)  # the MLPs' initial weights
+        means = 3 * torch.randn(4, 8, generator=self.gen)
+        self.x_train, self.y_train = _blobs(2000, self.gen, means)
+        self.x_test, self.y_test = _blobs(2000, self.gen, means)
+
+    @staticmethod
+    def mlp():
+        from torch import nn
+
+        return nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 4))
+
+    def train(self, model, steps):
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+        for _ in range(steps):
+            loss = torch.nn.functional.cross_entropy(model(self.x_train), self.y_train)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+        return model
+
+    def accuracy(self, model):
+        with torch.no_grad():
+            return 100.0 * float((model(self.x_test).argmax(1) == self.y_test).float().mean())
+
+    def student_and_better(self):
+        """ŵ after 3 steps (about 97 %) and a better model of the same data: ŵ trained 57 steps more."""
+        student = self.train(self.mlp(), 3)
+        better = self.mlp()
+        better.load_state_dict(student.state_dict())
+        return student, self.train(better, 60)
+
+
 @pytest.mark.parametrize("target_prior", ["default", "aggregate", "teachers"])
 def test_one_class_teachers_throw_the_student_to_chance_unless_the_target_corrects_their_prior(target_prior):
     """Issue 61's mechanism on a small case. Four Gaussian classes; a student (ŵ) at about 97 %; three teachers
@@ -974,34 +1012,9 @@ def test_one_class_teachers_throw_the_student_to_chance_unless_the_target_correc
     student learns the +6 as a prior and every real sample goes to class 0: chance. With the default's target (a
     uniform prior on the batch) or the aggregate's prior it keeps its accuracy and moves towards the teachers'
     per-sample preferences (it gains). This test fails if the default distils the teachers' prior."""
-    from torch import nn
-
-    gen = torch.Generator().manual_seed(0)
-    torch.manual_seed(0)
-    means = 3 * torch.randn(4, 8, generator=gen)
-    x_train, y_train = _blobs(2000, gen, means)
-    x_test, y_test = _blobs(2000, gen, means)
-
-    def mlp():
-        return nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 4))
-
-    def train(model, steps):
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-        for _ in range(steps):
-            loss = torch.nn.functional.cross_entropy(model(x_train), y_train)
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
-        return model
-
-    def accuracy(model):
-        with torch.no_grad():
-            return 100.0 * float((model(x_test).argmax(1) == y_test).float().mean())
-
-    student = train(mlp(), 3)
-    better = mlp()
-    better.load_state_dict(student.state_dict())
-    train(better, 60)
+    task = _BlobTask()
+    gen, accuracy = task.gen, task.accuracy
+    student, better = task.student_and_better()
     before = accuracy(student)
     assert 90.0 < before < accuracy(better) - 1.0
     with torch.no_grad():
@@ -1019,7 +1032,7 @@ def test_one_class_teachers_throw_the_student_to_chance_unless_the_target_correc
     distil(student, noise, target, p, "fp32")
     after = accuracy(student)
     if target_prior == "teachers":
-        share = float((student(x_test).argmax(1) == 0).float().mean())
+        share = float((student(task.x_test).argmax(1) == 0).float().mean())
         assert after < 30.0 and share > 0.95, (after, share)  # chance: 25 %
     else:
         assert after > before, (before, after)
@@ -1035,35 +1048,10 @@ def test_one_loud_teacher_outvotes_the_rest_in_logit_space_and_not_as_probabilit
     samples, the target follows its noise and the student loses 20 points in one step. Mixed as probabilities at
     T = 1 (the paper's Eq. 8, the default), the loud teacher moves each target by at most its 0.1 and the student
     gains. This test fails if the default mixes logits or a teacher's vote is not bounded by its weight."""
-    from torch import nn
-
-    gen = torch.Generator().manual_seed(0)
-    torch.manual_seed(0)
-    means = 3 * torch.randn(4, 8, generator=gen)
-    x_train, y_train = _blobs(2000, gen, means)
-    x_test, y_test = _blobs(2000, gen, means)
-
-    def mlp():
-        return nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 4))
-
-    def train(model, steps):
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-        for _ in range(steps):
-            loss = torch.nn.functional.cross_entropy(model(x_train), y_train)
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
-        return model
-
-    def accuracy(model):
-        with torch.no_grad():
-            return 100.0 * float((model(x_test).argmax(1) == y_test).float().mean())
-
-    student = train(mlp(), 3)
-    better = mlp()
-    better.load_state_dict(student.state_dict())
-    train(better, 60)
-    loud = mlp()
+    task = _BlobTask()
+    gen, accuracy = task.gen, task.accuracy
+    student, better = task.student_and_better()
+    loud = task.mlp()
     with torch.no_grad():
         loud[2].weight.mul_(60.0)
         loud[2].bias[0] += 300.0
@@ -1099,28 +1087,13 @@ def test_an_aggregate_at_chance_is_lifted_by_the_uniform_prior_and_held_there_by
     9.9 → 10.2 %). A uniform prior (the default) keeps the teachers' per-sample preferences and gives each class
     an equal share, and the student recovers (the replay: 9.9 → 61.7 %). This test fails if the default takes
     the aggregate's prior."""
-    from torch import nn
-
-    gen = torch.Generator().manual_seed(0)
-    torch.manual_seed(0)
-    means = 3 * torch.randn(4, 8, generator=gen)
-    x_train, y_train = _blobs(2000, gen, means)
-    x_test, y_test = _blobs(2000, gen, means)
-    good = nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 4))
-    optimizer = torch.optim.SGD(good.parameters(), lr=0.05)
-    for _ in range(60):
-        loss = torch.nn.functional.cross_entropy(good(x_train), y_train)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    student = nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 4))
+    task = _BlobTask()
+    gen, accuracy = task.gen, task.accuracy
+    good = task.train(task.mlp(), 60)
+    student = task.mlp()
     student.load_state_dict(good.state_dict())
     with torch.no_grad():
         student[2].bias[0] += 20.0
-
-    def accuracy(model):
-        with torch.no_grad():
-            return 100.0 * float((model(x_test).argmax(1) == y_test).float().mean())
 
     assert accuracy(student) < 30.0 < 90.0 < accuracy(good)
     p = make_algorithm(small_config(**DAFKD)).params.model_copy(update={"distill_samples": 320})
