@@ -180,7 +180,8 @@ PROFILES: dict[str, dict[str, Any]] = {
 # generated batch stays near 0 all along: the student did learn its target. Mixing probabilities, T = 1 or a
 # quarter of the epochs collapse the same steps (10.1-19.3 %); moving the batch prior to ŵ's own keeps the
 # teachers' per-sample preferences and gives 78.2 % and 41.0 % (spec/dafkd.md ambiguity 19). (6) below replaces
-# ŵ's prior by a uniform one, and (5) mixes probabilities after all: with (3), (4) and (6) it is the better form.
+# ŵ's prior by a uniform one, and (5) mixes probabilities after all: with the SGD step (4) and the uniform prior
+# (6) it is the better form (ambiguity 22).
 PROFILES["default"] = {
     **PROFILES["code"],
     "client_optimizer": "adam_gan",
@@ -224,7 +225,7 @@ class DaFKDParams(FedAvgParams):
     profile: Literal["default", "code", "paper"] = Field(
         "default",
         description="defaults of the unset switches below: the released code's (code), the paper's (paper), or "
-        "the code's with the changes of card ambiguities 9 and 18 (default)",
+        "the code's with the changes of card ambiguities 9, 18, 19, 21 and 22 (default)",
     )
     importance: Literal["discriminator", "uniform"] = Field(
         "discriminator", description="α̂ of Eq. 7, or 1/K_t (Table 3: no correlation)"
