@@ -1068,6 +1068,9 @@ def test_one_loud_teacher_outvotes_the_rest_in_logit_space_and_not_as_probabilit
         log_alpha = torch.tensor([0.3, 0.3, 0.3, 0.1]).log()[:, None].expand(4, noise.shape[0])
         log_q = domain_aware_teacher(torch.stack([good_logits] * 3 + [loud_logits]), log_alpha, p.temperature, p.ensemble_space)
         agreement = float((log_q.argmax(1) == good_logits.argmax(1)).float().mean())
+        if p.ensemble_space == "probs":  # card 22's invariant: the loud teacher moves each q_ic by at most its α̂
+            loud_share = log_q.exp() - 0.9 * torch.softmax(good_logits / p.temperature, dim=1)
+            assert float(loud_share.min()) >= -1e-6 and float(loud_share.max()) <= 0.1 + 1e-6
         target = distillation_target(log_q, lambda: torch.log_softmax(student(noise) / p.temperature, dim=1), p.target_prior)
     distil(student, noise, target, p, "fp32")
     after = accuracy(student)
