@@ -4,7 +4,8 @@ The FedLMD MNIST protocol of ``bench_fedavg_mnist.py`` (the FedNTD CNN, 100 clie
 E = 5, B = 50, SGD lr 0.01 momentum 0.9, crop + flip + cutout), fp32 unless ``--precision``, for FedAvg, FedProx,
 FedNTD, FedLMD and SCAFFOLD (the issue's list; ``--methods`` for others that batch). Each method runs twice on the
 same seed: ``sequential`` = one client after another with ``run.cuda_graphs`` (the fastest path before this
-issue), ``cohort`` = ``run.cohort = K`` (K = the round's 10 clients) without graphs. Reported per method and path:
+issue), ``cohort`` = ``run.cohort = K`` (K = the round's 10 clients) without graphs; ``+resident`` adds
+``run.resident_weights`` to either (the vectors stay on the GPU across the Message boundary, item 3). Reported per method and path:
 seconds per round (the mean of rounds 2..R: round 1 carries the CUDA context, cuDNN's choices and the captures),
 training samples per second, the final accuracy, and the cohort's padded slots over the run (steps spent masked
 because its clients have different step counts). The GPU's busy share comes from ``profile_gpu_round.py --cohort K`` (gpu_check.sh's
@@ -36,7 +37,9 @@ METHODS = "fedavg,fedprox,fedntd,fedlmd,scaffold"
 def one_run(dataset, method: str, path: str, args: argparse.Namespace) -> dict:
     overrides = {"rounds": args.rounds, "algorithm.name": method, "run.device": args.device, "run.precision": args.precision,
                  "run.workers": 1, "clients_per_round": args.clients}  # fmt: skip
-    if path == "cohort":
+    if path.endswith("+resident"):
+        overrides["run.resident_weights"] = True
+    if path.startswith("cohort"):
         overrides["run.cohort"] = args.clients
     elif args.device.startswith("cuda"):
         overrides["run.cuda_graphs"] = True
@@ -69,6 +72,8 @@ def main() -> None:
     ap.add_argument("--clients", type=int, default=10, help="clients a round, and the cohort's K")
     ap.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
     ap.add_argument("--methods", default=METHODS)
+    ap.add_argument("--paths", default="sequential,cohort,sequential+resident,cohort+resident",
+                    help="which paths (sequential, cohort, each with +resident), in this order")
     ap.add_argument("--json")
     args = ap.parse_args()
     dataset = load_dataset("mnist", args.data_dir)
@@ -76,7 +81,7 @@ def main() -> None:
     name = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
     print(f"| method | path | s/round | samples/s | final acc. % | padded slots | ({name}, {args.precision}, rounds 2-{args.rounds})")
     for method in args.methods.split(","):
-        for path in ("sequential", "cohort"):
+        for path in args.paths.split(","):
             r = one_run(dataset, method, path, args)
             rows.append(r)
             sps = f"{r['samples_per_second']:,.0f}" if r["samples_per_second"] else "-"

@@ -14,16 +14,18 @@
 #   (partial batches captured and not) and of FedProx and FedNTD with graphs (their steps captured since issue 41);
 #   "methods" runs benchmarks/bench_gpu_methods.py (every method's round on the MNIST protocol, eager and graphs)
 #   within METHODS_BUDGET seconds (METHODS=a,b: those registered names only).
-#   cohort (issue 66, first in the default stages): benchmarks/bench_gpu_cohort.py (FedAvg, FedProx, FedNTD, FedLMD,
-#   SCAFFOLD: the graphed sequential step against run.cohort = 10, seconds a round, samples a second, accuracy) and
-#   profile_gpu_round.py's GPU busy share for both paths.
+#   resident (issue 66 item 3, first in the default stages): tests/test_cuda.py's run.resident_weights tests (the same
+#   bits as today's GPU path, eager, graphed and under a cohort; no host copy at the boundary; resume), in under a minute.
+#   cohort (issue 66): benchmarks/bench_gpu_cohort.py (FedAvg, FedProx, FedNTD, FedLMD, SCAFFOLD: the graphed
+#   sequential step against run.cohort = 10, each also with run.resident_weights: seconds a round, samples a second,
+#   accuracy) and profile_gpu_round.py's GPU busy share for the four paths.
 # RUN_SET adds settings to the kill-and-resume runs, e.g. RUN_SET="--set run.cuda_graphs=true".
 set -u
 DATA=${DATA:-../shared/data}
 OUT=${OUT:-gpu_out}
 DEVICE=${DEVICE:-cuda}  # cpu: try the script's plumbing on a machine without a GPU
 PY=${PY:-python3}
-STAGES=${STAGES:-"cohort speed profile resume tests"}  # a subset reruns what a fix touched
+STAGES=${STAGES:-"resident cohort speed profile resume tests"}  # a subset reruns what a fix touched
 TESTS=${TESTS:-tests/}
 SPEED_ARGS=${SPEED_ARGS:-"--rounds 4 --server-methods 2"}  # e.g. "--only none --server-methods 3": the server-side methods alone
 SPEED_LIMIT=${SPEED_LIMIT:-150}
@@ -38,10 +40,14 @@ stage environment
 
 want() { [[ " $STAGES " == *" $1 "* ]]; }
 
+want resident && { stage "resident weights (issue 66 item 3)"
+timeout ${RESIDENT_LIMIT:-90} $PY -m pytest -p no:cacheprovider -q -rfE tests/test_cuda.py -k "resident" > "$OUT/resident.txt" 2>&1
+echo "pytest exit $?"; tail -n 3 "$OUT/resident.txt"; grep -E "^(FAILED|ERROR)" "$OUT/resident.txt" | head -n 20; }
+
 want cohort && { stage "cohort training (issue 66)"
-timeout ${COHORT_LIMIT:-200} $PY benchmarks/bench_gpu_cohort.py --data-dir "$DATA" --device "$DEVICE" --json "$OUT/cohort.json" > "$OUT/cohort.txt" 2>&1
+timeout ${COHORT_LIMIT:-300} $PY benchmarks/bench_gpu_cohort.py --data-dir "$DATA" --device "$DEVICE" --json "$OUT/cohort.json" > "$OUT/cohort.txt" 2>&1
 echo "exit $?"; grep -E "^\||Error|error" "$OUT/cohort.txt" | head -n 16
-{ for args in "--cuda-graphs" "--cohort 10"; do echo "### profile fp32 $args"; timeout 45 $PY benchmarks/profile_gpu_round.py --data-dir "$DATA" --precision fp32 $args; done; } > "$OUT/cohort_profile.txt" 2>&1
+{ for args in "--cuda-graphs" "--cohort 10" "--cuda-graphs --resident" "--cohort 10 --resident"; do echo "### profile fp32 $args"; timeout 45 $PY benchmarks/profile_gpu_round.py --data-dir "$DATA" --precision fp32 $args; done; } > "$OUT/cohort_profile.txt" 2>&1
 grep -E "^###|round_wall_s|gpu_busy_share|kernel_launches|Error" "$OUT/cohort_profile.txt"; }
 
 want speed && { stage speed

@@ -47,6 +47,7 @@ def main() -> None:
     ap.add_argument("--algorithm", default="fedavg", help="a method whose client step goes through local_sgd (fedprox, fedntd, ...)")
     ap.add_argument("--no-partial-graphs", action="store_true", help="the partial batches eagerly, as before issue 41")
     ap.add_argument("--cohort", type=int, help="run.cohort = K: the round's clients trained K at a time as one batched step (issue 66)")
+    ap.add_argument("--resident", action="store_true", help="run.resident_weights: the vectors stay on the GPU across the Message boundary (issue 66 item 3)")
     ap.add_argument("--json")
     ap.add_argument("--trace", help="also write the round's Chrome trace here")
     args = ap.parse_args()
@@ -60,6 +61,8 @@ def main() -> None:
     settings = {"rounds": 5, "run.device": "cuda", "run.precision": args.precision, "run.cuda_graphs": args.cuda_graphs, "algorithm.name": args.algorithm}
     if args.cohort:
         settings.update({"run.cohort": args.cohort, "run.workers": 1})
+    if args.resident:
+        settings.update({"run.resident_weights": True, "run.workers": 1})
     cfg = build_config(PROTOCOL, settings)
     dataset = load_dataset("mnist", args.data_dir)
     federation = build_federation(cfg, dataset)
@@ -85,6 +88,7 @@ def main() -> None:
         "precision": args.precision,
         "cuda_graphs": args.cuda_graphs,
         "cohort": args.cohort,
+        "resident_weights": args.resident,
         "algorithm": args.algorithm,
         "partial_graphs": not args.no_partial_graphs,
         "round_wall_s": wall,

@@ -279,3 +279,59 @@ def test_cuda_graphs_without_partial_batch_graphs_give_the_same_bits(digits, mon
     monkeypatch.setattr(cuda_graphs, "CAPTURE_PARTIAL_BATCHES", False)
     _, without, _ = _graphs_against_eager(digits, rounds=2, **{"algorithm.name": "fedntd"})
     assert torch.equal(get_flat(with_partial.server.model), get_flat(without.server.model))
+
+
+# -- run.resident_weights (issue 66 item 3): the vectors stay on the GPU across the Message boundary ---------------
+RESIDENT = ["fedavg", "fedavgm", "fedprox", "fedntd", "fedlmd", "fedlmd_tf", "scaffold"]
+
+
+def _resident_pair(digits, algorithm: str, **overrides):
+    """The same two rounds on the GPU with the vectors copied to the host at the boundary and kept on the device."""
+    sims = []
+    for switch in (False, True):
+        cfg = small_config(rounds=2, **{"algorithm.name": algorithm, "run.workers": 1, "run.resident_weights": switch,
+                                        "local.momentum": 0.9, **overrides}, **ON_GPU)  # fmt: skip
+        sim = Simulation(cfg, digits)
+        sim.run()
+        sims.append(sim)
+    return sims
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+@pytest.mark.parametrize("algorithm", RESIDENT)
+def test_resident_weights_give_todays_gpu_bits(digits, algorithm, graphs):
+    """Item 3's "bit-identical results to today's GPU path", eager and with the graphed step; the server's state
+    (SCAFFOLD's c, FedAvgM's momentum) lives on the device with the vectors."""
+    host, device = _resident_pair(digits, algorithm, **({"run.cuda_graphs": True} if graphs else {}))
+    assert torch.equal(get_flat(host.server.model), get_flat(device.server.model))
+    strip = lambda history: [{k: v for k, v in r.items() if not k.endswith("seconds")} for r in history]  # noqa: E731
+    assert strip(host.state.history) == strip(device.state.history)
+    for key, value in device.server.state.items():
+        if isinstance(value, torch.Tensor):
+            assert value.device.type == "cuda" and torch.equal(value.cpu(), host.server.state[key].cpu()), key
+
+
+def test_resident_weights_under_a_cohort_give_the_cohorts_bits(digits):
+    host, device = _resident_pair(digits, "fedprox", **{"run.cohort": 3})
+    assert torch.equal(get_flat(host.server.model), get_flat(device.server.model))
+
+
+def test_a_resident_round_copies_no_vector_to_the_host(digits):
+    """Under the switch the broadcast and every upload are device tensors: no ``Tensor.cpu`` from models/flat.py."""
+    from test_resident_weights import HostCopies
+
+    cfg = small_config(rounds=2, **{"algorithm.name": "scaffold", "run.workers": 1, "run.resident_weights": True}, **ON_GPU)
+    sim = Simulation(cfg, digits)
+    sim.run_round(1)
+    with HostCopies() as copies:
+        sim.run_round(2)
+    assert copies.from_flat == 0
+    assert sim.server.state["scaffold_c"].device.type == "cuda"
+
+
+def test_a_resident_gpu_run_resumes_bitwise(digits, tmp_path):
+    """The checkpoint holds host tensors; the resumed run moves the server's state back to the device."""
+    overrides = {"run.workers": 1, "run.resident_weights": True, "local.momentum": 0.9}
+    assert_resume_is_exact(digits, tmp_path, "scaffold", server_keys=("scaffold_c",), **overrides, **ON_GPU)
+    raw = torch.load(tmp_path / "part" / "checkpoint.pt", weights_only=True)
+    assert all(t.device.type == "cpu" for t in raw["server_state"].values() if isinstance(t, torch.Tensor))

@@ -311,6 +311,9 @@ def test_resume_and_run_dir_messages_name_run_config_keys(tmp_path):
     with pytest.raises(ConfigError, match="run.cohort: cohort training stacks clients in one process"):
         flower_app.run_server(None, flower_config(rounds=1, **{"run.cohort": 2, "run.workers": 1}), FlowerSettings(run_dir=str(tmp_path / "cohort")))
     assert not (tmp_path / "cohort").exists()
+    with pytest.raises(ConfigError, match="run.resident_weights: .* on Flower every Message crosses the network"):
+        flower_app.run_server(None, flower_config(rounds=1, **{"run.resident_weights": True, "run.workers": 1}), FlowerSettings(run_dir=str(tmp_path / "resident")))
+    assert not (tmp_path / "resident").exists()
 
 
 def test_fake_grid_refused_resumes_rewrite_nothing_and_numeric_changes_are_recorded(tmp_path, keep_threads, task_identity):

@@ -134,7 +134,7 @@ def test_a_resume_of_a_finished_run_does_not_rewrite_its_config(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "change", ["run.precision=bf16", "run.threads=1", "run.channels_last=false", "run.workers=2"]
+    "change", ["run.precision=bf16", "run.threads=1", "run.channels_last=false", "run.workers=2", "run.cohort=2"]
 )
 def test_a_resume_that_changes_the_numbers_needs_an_explicit_flag_and_is_recorded(tmp_path, capsys, change, monkeypatch):
     monkeypatch.setattr(os, "cpu_count", lambda: 2)  # the same thread arithmetic on any machine

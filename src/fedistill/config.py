@@ -270,6 +270,13 @@ class RunConfig(_Section):
         "methods that declare a batchable client step, models without BatchNorm statistics; in this process). A GPU "
         "lever: on a CPU the batched step is slower; unset = one client after another",
     )
+    resident_weights: bool = Field(
+        False,
+        description="keep the broadcast, the clients' uploads and the server's vectors on run.device across the Message "
+        "boundary of the in-process simulation (no host copy or wait per client; a checkpoint still writes host "
+        "tensors). A GPU lever for the methods that declare it (FedAvg, FedProx, FedNTD, FedLMD, FedLMD-Tf, SCAFFOLD); "
+        "the same numbers; on a CPU the vectors are on the host either way",
+    )
     threads: int | None = Field(
         None,
         ge=1,
@@ -331,6 +338,11 @@ class RunConfig(_Section):
             raise ValueError("cohort: a cohort step is one batched call per step already; drop run.cuda_graphs or run.cohort")
         if self.cohort is not None and self.workers not in ("auto", 1):
             raise ValueError(f"cohort: a cohort trains in this process; run.workers is {self.workers}: set run.workers=1")
+        if self.resident_weights and self.workers not in ("auto", 1):
+            raise ValueError(
+                f"resident_weights: the weights stay on the device of this process; run.workers is {self.workers}: set "
+                "run.workers=1 (or auto) or drop run.resident_weights"
+            )
         return self
 
 

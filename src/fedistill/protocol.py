@@ -356,6 +356,11 @@ class AlgorithmParams(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
 
 
+def declares_resident_weights(algorithm: Any) -> bool:
+    """Whether ``algorithm``'s own class (not a base class) sets ``resident_weights = True``."""
+    return bool(type(algorithm).__dict__.get("resident_weights", False))
+
+
 class Algorithm:
     """Base class; subclasses set ``name`` and ``Params`` and implement the three round functions."""
 
@@ -377,6 +382,11 @@ class Algorithm:
     # Datasets the method cannot run, with the reason (shown by `fedistill list`): e.g. a method whose
     # generator makes images cannot run the synthetic dataset's feature vectors.
     cannot_run: ClassVar[dict[str, str]] = {}
+    # Whether the method's code was checked to run with its flat vectors left on the device across the Message
+    # boundary (``run.resident_weights``, issue 66 item 3): every tensor it makes on the server or client beside a
+    # received vector is made where that vector lives. Declared by each class itself, never inherited: a subclass
+    # that adds a term or a server state is a new method to check (:func:`declares_resident_weights`).
+    resident_weights: ClassVar[bool] = False
 
     @classmethod
     def config_defaults(cls, tree: dict[str, Any]) -> dict[str, Any]:

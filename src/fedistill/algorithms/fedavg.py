@@ -42,6 +42,7 @@ class FedAvg(Algorithm):
 
     name = "fedavg"
     Params = FedAvgParams
+    resident_weights = True  # checked for run.resident_weights (protocol.Algorithm)
     needs_features = False  # extra_loss receives the penultimate features (MOON)
     # Traits that Composite checks (compose.py): the local loss has a proximal/quadratic term pulling the
     # weights toward an anchor (FedProx, FedDyn, FedCurv); the aggregation assumes the clients ran plain
@@ -167,7 +168,7 @@ class FedAvg(Algorithm):
         # FedAvg's own mean over whole vectors, so where FedAvg's combine produced the vector the entries are
         # bit-identical to it (a mean over the selected entries alone may round differently).
         plain = FedAvg.combine(self, new_global, replies)
-        return torch.where(trainable, new_global, plain)
+        return torch.where(trainable.to(new_global.device), new_global, plain)
 
     # -- client ---------------------------------------------------------------------------------
     def extra_loss(self, client: ClientContext, msg: Message) -> ExtraLoss | None:
@@ -259,6 +260,7 @@ class FedAvgM(FedAvg):
 
     name = "fedavgm"
     Params = FedAvgMParams
+    resident_weights = True  # checked for run.resident_weights (protocol.Algorithm)
 
     def server_optimizer(self, server: ServerContext) -> ServerOptimizer:
         return ServerMomentum(self.params.server_momentum, self.params.server_lr)

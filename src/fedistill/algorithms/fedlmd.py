@@ -46,6 +46,7 @@ class FedLMD(FedAvg):
 
     name = "fedlmd"
     Params = FedLMDParams
+    resident_weights = True  # checked for run.resident_weights (protocol.Algorithm)
 
     def __init__(self, params, local) -> None:
         super().__init__(params, local)
@@ -107,6 +108,7 @@ class FedLMDTf(FedLMD):
 
     name = "fedlmd_tf"
     Params = FedLMDTfParams
+    resident_weights = True  # checked for run.resident_weights (protocol.Algorithm)
 
     def teacher_free(self, round_: int) -> bool:
         return True

@@ -32,6 +32,7 @@ class FedNTD(FedAvg):
 
     name = "fedntd"
     Params = FedNTDParams
+    resident_weights = True  # checked for run.resident_weights (protocol.Algorithm)
 
     def __init__(self, params, local) -> None:
         super().__init__(params, local)

@@ -40,6 +40,7 @@ class FedProx(FedAvg):
 
     name = "fedprox"
     Params = FedProxParams
+    resident_weights = True  # checked for run.resident_weights (protocol.Algorithm)
     adds_proximal_term = True
 
     @staticmethod

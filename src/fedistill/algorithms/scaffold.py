@@ -28,6 +28,7 @@ class Scaffold(FedAvg):
 
     name = "scaffold"
     Params = FedAvgParams
+    resident_weights = True  # checked for run.resident_weights (protocol.Algorithm)
 
     # -- server ---------------------------------------------------------------------------------
     def init_server(self, server: ServerContext) -> None:
@@ -45,16 +46,16 @@ class Scaffold(FedAvg):
         return {}
 
     # -- client ---------------------------------------------------------------------------------
-    def _client_control(self, client: ClientContext, size: int) -> torch.Tensor:
+    def _client_control(self, client: ClientContext, like: torch.Tensor) -> torch.Tensor:
+        """c_k, on the device of the server's c as received (``like``): the host, or the GPU where the round keeps
+        weights resident (run.resident_weights); add_to_gradients moves the correction to the parameters."""
         if "scaffold_c" not in client.state:
-            # c_k starts at 0 (card §2). On the host like every message tensor: add_to_gradients moves the
-            # correction to the parameters' device.
-            client.state["scaffold_c"] = torch.zeros(size)
+            client.state["scaffold_c"] = torch.zeros(like.numel(), device=like.device)  # c_k starts at 0 (card §2)
         # On a GPU the executor hands a stored c_k over on the device (issue 29): read it where the messages are.
-        return client.state["scaffold_c"].cpu()
+        return client.state["scaffold_c"].to(like.device)
 
     def grad_correction(self, client: ClientContext, msg: Message) -> Callable[[torch.nn.Module], None]:
-        correction = client.fixed("scaffold.correction", msg["control"] - self._client_control(client, int(msg["control"].numel())))
+        correction = client.fixed("scaffold.correction", msg["control"] - self._client_control(client, msg["control"]))
         # ĝ = g − c_k + c, then the optimizer adds weight decay and momentum as usual (card §3).
         return add_to_gradients(trainable_parameters(client.model), correction)
 
@@ -63,19 +64,19 @@ class Scaffold(FedAvg):
         if self.params.grad_clip is not None:
             return None
         c = msg["control"]
-        return None, {GRADIENT_OFFSET: c - self._client_control(client, int(c.numel()))}
+        return None, {GRADIENT_OFFSET: c - self._client_control(client, c)}
 
     def graph_key(self, client: ClientContext, msg: Message) -> tuple:
         return ()  # c − c_k through client.fixed
 
     def reply_extras(self, client: ClientContext, info: RoundInfo, msg: Message, result: LocalResult) -> dict[str, Any]:
         c = msg["control"]
-        c_k = self._client_control(client, int(c.numel()))
+        c_k = self._client_control(client, c)
         if result.steps == 0 or info.lr <= 0:
             return {"control_delta": torch.zeros_like(c_k)}  # no step taken: c_k stays (card §3 numerics)
         k_eff = effective_local_steps(result.steps, self.local.momentum)
         # The global trainable weights this round are the broadcast vector restricted to parameters.
-        global_params = msg["weights"][trainable_mask(client.model)]
+        global_params = msg["weights"][trainable_mask(client.model).to(msg["weights"].device)]
         drift = global_params.double() - flat_parameters(client.model).double()
         c_new = (c_k.double() - c.double() + drift / (k_eff * info.lr)).float()
         # Δc_k of the value the client keeps (rounded when the state is stored in bf16), so that the server's

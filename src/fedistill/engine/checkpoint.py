@@ -85,7 +85,7 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
 # Settings under ``run`` that change the numbers a run produces: a continuation with another value would
 # not reproduce the uninterrupted run. (``client_state``, ``workers`` at equal threads per client,
 # ``checkpoint_every``, ``progress``, ``out_dir``, ``name`` and ``tune_allocator`` do not.)
-NUMERIC_RUN_SETTINGS = ("precision", "channels_last", "device", "client_threads", "client_state_dtype", "cuda_graphs")
+NUMERIC_RUN_SETTINGS = ("precision", "channels_last", "device", "client_threads", "client_state_dtype", "cuda_graphs", "cohort")
 
 
 def check_compatible(

@@ -37,6 +37,8 @@ def state_to(state: Any, device: torch.device) -> Any:
         return state.to(device, non_blocking=device.type == "cuda")
     if isinstance(state, dict):
         return {k: state_to(v, device) for k, v in state.items()}
+    if isinstance(state, tuple) and hasattr(state, "_fields"):  # a NamedTuple takes its fields as arguments
+        return type(state)(*(state_to(v, device) for v in state))
     if isinstance(state, (list, tuple)):
         return type(state)(state_to(v, device) for v in state)
     return state
@@ -139,6 +141,8 @@ class CohortExecutor(SequentialExecutor):
             seen = int(result.samples_seen[k])
             mean_loss = float(result.loss_sum[k] / seen) if seen else float("nan")
             reply = algorithm.cohort_reply(ctx, info, msg, steps=int(result.steps[k]), samples_seen=seen, mean_loss=mean_loss)
+            if torch.device(runtime.device).type != "cpu":  # what the client keeps goes back to the host, as sequentially
+                state.update(state_to(state, torch.device("cpu")))
             results[position] = (reply, state)
 
 

@@ -30,6 +30,7 @@ from .checkpoint import (
 )
 from .cuda_graphs import graphed_evaluate
 from .evaluation import evaluate
+from .executors import state_to
 from .federation import check_partition
 from .perf import deterministic_kernels
 from .run_setup import apply_process_settings, build_model_for, build_shared_model, round_info, run_numerics  # noqa: F401  (re-exported)
@@ -226,12 +227,16 @@ class ServerRuntime:
                 "partition_digest": self.partition_digest,
                 "round": self.state.round,
                 "global_model": self.server.model.state_dict(),
-                "server_state": self.server.state,
+                "server_state": state_to(self.server.state, torch.device("cpu")),  # host tensors (resident weights)
                 "client_store": self.client_store.snapshot(),
                 "history": self.state.history,
             },
         )
         self.client_store.committed()
+
+    def server_state_to_device(self) -> None:
+        """The server state's tensors on the run's device (``run.resident_weights`` after a resume)."""
+        self.server.state = state_to(self.server.state, self.device)
 
     def restore(self, path: Path | None = None, allow_numeric_change: bool = False, hint: str = "") -> bool:
         """Continue from the checkpoint; False (and a clean round-0 state) when the run has none yet.

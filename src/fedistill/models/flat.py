@@ -9,6 +9,7 @@ BatchNorm running statistics, in ``state_dict`` order). Integer buffers (BatchNo
 from __future__ import annotations
 
 from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Iterator
 
 import torch
@@ -24,13 +25,38 @@ def num_flat(model: nn.Module) -> int:
     return sum(t.numel() for t in float_state(model))
 
 
+# Whether flat vectors stay where their model lives (``run.resident_weights``, issue 66 item 3): set by the
+# in-process round loop around a round, so that the broadcast, the uploads and the server's vectors are device
+# tensors and the Message boundary makes no host copy. A Message that leaves the process (Flower) or a checkpoint
+# makes its own host copy; outside the round loop every vector is on the host, as before.
+_RESIDENT: ContextVar[bool] = ContextVar("fedistill_resident_weights", default=False)
+
+
+@contextmanager
+def weights_resident(enabled: bool = True) -> Iterator[None]:
+    """Within this block :func:`get_flat` and :func:`flat_parameters` leave their vectors on the model's device
+    (no device-to-host copy and no wait); with ``enabled`` False, a no-op."""
+    token = _RESIDENT.set(enabled or _RESIDENT.get())
+    try:
+        yield
+    finally:
+        _RESIDENT.reset(token)
+
+
+def resident() -> bool:
+    """Whether flat vectors stay on their model's device here (:func:`weights_resident`)."""
+    return _RESIDENT.get()
+
+
 @torch.no_grad()
-def get_flat(model: nn.Module, host: bool = True) -> torch.Tensor:
-    """A new float32 vector with the model's floating-point state, on the CPU (``host=False``: where the model
-    lives, with no device-to-host copy: a cohort's stacked weights on a GPU, engine/cohort.py)."""
+def get_flat(model: nn.Module, host: bool | None = None) -> torch.Tensor:
+    """A new float32 vector with the model's floating-point state, on the CPU; ``host=False``: where the model
+    lives, with no device-to-host copy (a cohort's stacked weights on a GPU, engine/cohort.py). Unset ``host``
+    is the host unless the round keeps weights resident on the device (:func:`weights_resident`)."""
     # Concatenated where the model lives, then copied once: one device-to-host wait per model, not per tensor.
     flat = torch.cat([t.detach().reshape(-1).float() for t in float_state(model)])
-    return flat.cpu() if host else flat
+    keep = resident() if host is None else not host
+    return flat if keep else flat.cpu()
 
 
 @torch.no_grad()
@@ -74,8 +100,10 @@ def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
 
 
 def flat_parameters(model: nn.Module) -> torch.Tensor:
-    """A new float32 CPU vector of the trainable parameters in ``model.parameters()`` order (no buffers)."""
-    return torch.cat([p.detach().reshape(-1).float() for p in trainable_parameters(model)]).cpu()  # one copy (get_flat)
+    """A new float32 vector of the trainable parameters in ``model.parameters()`` order (no buffers), on the CPU,
+    or on the model's device where the round keeps weights resident (:func:`weights_resident`)."""
+    flat = torch.cat([p.detach().reshape(-1).float() for p in trainable_parameters(model)])
+    return flat if resident() else flat.cpu()  # one copy, as get_flat
 
 
 def split_like(vector: torch.Tensor, params: list[torch.Tensor]) -> list[torch.Tensor]:
