@@ -206,7 +206,7 @@ class FedAvg(Algorithm):
             **self.reply_extras(client, info, msg, result),
         )
 
-    def cohort_reply(self, client: ClientContext, info: RoundInfo, msg: Message, *, steps: int, samples_seen: int, mean_loss: float) -> Message:
+    def cohort_reply(self, client: ClientContext, info: RoundInfo, msg: Message, *, steps: int, samples_seen: int, mean_loss: float | torch.Tensor) -> Message:
         """The reply of a client a cohort step trained (engine/executors.py ``CohortExecutor``; ``client.model``
         holds its trained weights): :meth:`reply` with the step counts the sequential loop would report."""
         return self.reply(client, info, msg, LocalResult(steps=steps, samples_seen=samples_seen, mean_loss=mean_loss))

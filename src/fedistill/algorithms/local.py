@@ -24,6 +24,7 @@ from ..engine.cuda_graphs import (
     tensor_learning_rate,
 )
 from ..engine.evaluation import Evaluation, autocast_context, evaluate  # noqa: F401  (the methods import them from here)
+from ..models.flat import mean_loss_of
 from .base import ClientContext
 
 # extra_loss(model, x, y, logits, features) -> scalar tensor added to the CE loss; ``features`` is the
@@ -47,7 +48,9 @@ def prepare_hook(extra_loss: ExtraLoss | None) -> Callable[[int], None] | None:
 class LocalResult:
     steps: int
     samples_seen: int
-    mean_loss: float  # sample-weighted mean of the batch losses (CE + extra terms)
+    # The sample-weighted mean of the batch losses (CE + extra terms): a float, or under run.resident_weights a 0-d
+    # float64 tensor on the device (:func:`mean_loss_of`), which the server reads when the round ends.
+    mean_loss: float | torch.Tensor
 
 
 def effective_local_steps(steps: int, momentum: float) -> float:
@@ -150,8 +153,7 @@ def local_sgd(
                 loss_sum += loss.detach().double() * m
                 steps += 1
                 seen += m
-        mean_loss = float(loss_sum / seen) if seen else float("nan")
-        return LocalResult(steps=steps, samples_seen=seen, mean_loss=mean_loss)
+        return LocalResult(steps=steps, samples_seen=seen, mean_loss=mean_loss_of(loss_sum, seen))
 
     optimizer = new_optimizer(model)
     for _ in range(epochs):
@@ -163,5 +165,4 @@ def local_sgd(
             loss_sum += loss.detach().double() * y.shape[0]
             steps += 1
             seen += int(y.shape[0])
-    mean_loss = float(loss_sum / seen) if seen else float("nan")
-    return LocalResult(steps=steps, samples_seen=seen, mean_loss=mean_loss)
+    return LocalResult(steps=steps, samples_seen=seen, mean_loss=mean_loss_of(loss_sum, seen))

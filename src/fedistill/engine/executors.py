@@ -99,7 +99,7 @@ class CohortExecutor(SequentialExecutor):
         return results
 
     def _train_cohort(self, tasks: Sequence[Task], positions: list[int], results: list[Any]) -> None:
-        from ..models.flat import get_flat, set_flat
+        from ..models.flat import get_flat, mean_loss_of, set_flat
         from .cohort import cohort_sgd
 
         runtime, local = self.client_runtime, self.client_runtime.cfg.local
@@ -139,8 +139,9 @@ class CohortExecutor(SequentialExecutor):
             cid, info, msg, state = tasks[position]
             set_flat(ctx.model, result.weights[k])
             seen = int(result.samples_seen[k])
-            mean_loss = float(result.loss_sum[k] / seen) if seen else float("nan")
-            reply = algorithm.cohort_reply(ctx, info, msg, steps=int(result.steps[k]), samples_seen=seen, mean_loss=mean_loss)
+            reply = algorithm.cohort_reply(
+                ctx, info, msg, steps=int(result.steps[k]), samples_seen=seen, mean_loss=mean_loss_of(result.loss_sum[k], seen)
+            )
             if torch.device(runtime.device).type != "cpu":  # what the client keeps goes back to the host, as sequentially
                 state.update(state_to(state, torch.device("cpu")))
             results[position] = (reply, state)

@@ -48,6 +48,17 @@ def resident() -> bool:
     return _RESIDENT.get()
 
 
+def mean_loss_of(loss_sum: torch.Tensor, seen: int) -> float | torch.Tensor:
+    """``loss_sum / seen`` as the client reports it: a float (a wait for the device, per client), or, where the
+    round keeps weights resident (run.resident_weights), the 0-d tensor itself, so that the GPU's queue is not
+    emptied between clients; the server reads it once the round's clients are all queued (reported_train_loss),
+    the same number. NaN when the client saw no sample."""
+    if not seen:
+        return float("nan")
+    mean = loss_sum / seen
+    return mean if resident() else float(mean)
+
+
 @torch.no_grad()
 def get_flat(model: nn.Module, host: bool | None = None) -> torch.Tensor:
     """A new float32 vector with the model's floating-point state, on the CPU; ``host=False``: where the model
