@@ -282,7 +282,7 @@ def test_cuda_graphs_without_partial_batch_graphs_give_the_same_bits(digits, mon
 
 
 # -- run.resident_weights (issue 66 item 3): the vectors stay on the GPU across the Message boundary ---------------
-RESIDENT = ["fedavg", "fedavgm", "fedprox", "fedntd", "fedlmd", "fedlmd_tf", "scaffold"]
+RESIDENT = ["fedavg", "fedavgm", "fedadam", "fedprox", "fedntd", "fedlmd", "fedlmd_tf", "scaffold"]
 
 
 def _resident_pair(digits, algorithm: str, **overrides):

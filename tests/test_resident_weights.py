@@ -21,7 +21,7 @@ from fedistill.protocol import declares_resident_weights
 from fedistill.registry import ALGORITHMS
 from fedistill.simulation import Simulation
 
-DECLARED = ["fedavg", "fedavgm", "fedprox", "fedntd", "fedlmd", "fedlmd_tf", "scaffold"]
+DECLARED = ["fedavg", "fedavgm", "fedadam", "fedprox", "fedntd", "fedlmd", "fedlmd_tf", "scaffold"]
 FLAT_MODULE = str(Path(sys.modules[get_flat.__module__].__file__).resolve())
 
 

@@ -26,6 +26,7 @@ class FedAdam(FedAvg):
 
     name = "fedadam"
     Params = FedAdamParams
+    resident_weights = True  # checked for run.resident_weights (protocol.Algorithm)
 
     def server_optimizer(self, server: ServerContext) -> ServerOptimizer:
         # BatchNorm statistics get the plain mean afterwards, in FedAvg.aggregate (fmtl-baselines.md §2).

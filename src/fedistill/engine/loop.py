@@ -74,9 +74,12 @@ class RoundLoop:
         # methods whose code was checked for it; any other method is refused here, never run half-resident.
         self.resident_weights = cfg.run.resident_weights
         if self.resident_weights and not declares_resident_weights(self.server_runtime.algorithm):
+            from ..registry import ALGORITHMS
+
+            checked = [name for name in ALGORITHMS.names() if ALGORITHMS.get(name).__dict__.get("resident_weights", False)]
             raise ConfigError(
                 f"run.resident_weights: {cfg.algorithm.display_name()} was not checked for vectors that stay on the "
-                f"device; it runs FedAvg, FedAvgM, FedProx, FedNTD, FedLMD, FedLMD-Tf and SCAFFOLD: drop run.resident_weights"
+                f"device; it runs {', '.join(checked)}: drop run.resident_weights"
             )
         self._executor: SequentialExecutor | ProcessPoolExecutor | AdaptiveExecutor | None = None
 
