@@ -274,7 +274,8 @@ class RunConfig(_Section):
         False,
         description="keep the broadcast, the clients' uploads and the server's vectors on run.device across the Message "
         "boundary of the in-process simulation (no host copy or wait per client; a checkpoint still writes host "
-        "tensors). A GPU lever for the methods that declare it (FedAvg, FedProx, FedNTD, FedLMD, FedLMD-Tf, SCAFFOLD); "
+        "tensors). A GPU lever for the methods that declare it (FedAvg, FedAvgM, FedAdam, FedProx, FedNTD, FedLMD, FedLMD-Tf, "
+        "SCAFFOLD); "
         "the same numbers; on a CPU the vectors are on the host either way",
     )
     threads: int | None = Field(
