@@ -81,6 +81,8 @@ class RoundLoop:
                 f"run.resident_weights: {cfg.algorithm.display_name()} was not checked for vectors that stay on the "
                 f"device; it runs {', '.join(checked)}: drop run.resident_weights"
             )
+        if self.resident_weights:  # init_server made its state outside a round, on the host (SCAFFOLD's c)
+            self.server_runtime.server_state_to_device()
         self._executor: SequentialExecutor | ProcessPoolExecutor | AdaptiveExecutor | None = None
 
     @property
