@@ -245,3 +245,24 @@ def test_the_loss_terms_weighted_means_leave_padded_rows_out():
     ]  # fmt: skip
     for weighted, plain in pairs:
         assert float(weighted) == pytest.approx(float(plain), rel=1e-6)
+
+
+def test_cohorts_group_clients_of_similar_step_counts(digits):
+    """K = 2 over a round of clients of different sizes: the two largest train together, then the next two, so the
+    padded slots are those of the sorted pairs, computed here from the clients' batch counts (E = 1, B = 20), fewer
+    than pairing them in the round's order would waste."""
+    from math import ceil
+
+    from conftest import small_config
+
+    from fedistill.simulation import Simulation
+
+    cfg = small_config(**{"algorithm.name": "fedavg", "run.workers": 1, "run.cohort": 2, "local.batch_size": 20, "rounds": 1,
+                          "clients_per_round": 6, "partition.alpha": 0.3})  # fmt: skip
+    sim = Simulation(cfg, digits)
+    sim.run_round(1)
+    steps = [ceil(int(sim.federation.train_indices[c].numel()) / 20) for c in sim.server_runtime.select_clients(1)]
+    padding = lambda order: sum(abs(a - b) for a, b in zip(order[::2], order[1::2]))  # noqa: E731
+    grouped = padding(sorted(steps, reverse=True))
+    assert sim.executor.padded_slots == grouped
+    assert grouped < padding(steps), steps  # the round's order would pad more: the test can tell them apart

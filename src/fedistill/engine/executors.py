@@ -94,6 +94,10 @@ class CohortExecutor(SequentialExecutor):
             groups.setdefault(runtime.architecture(cid), []).append(position)
         results: list[Any] = [None] * len(tasks)
         for positions in groups.values():
+            # Clients of similar step counts together (item 1): a cohort runs as many steps as its longest client,
+            # the others masked, so with K below the round's clients the largest K train together, then the next.
+            # A client's steps grow with its training-set size (E passes of ceil or floor n_k / B batches).
+            positions = sorted(positions, key=lambda p: -int(runtime.train_indices[tasks[p][0]].numel()))
             for start in range(0, len(positions), self.size):
                 self._train_cohort(tasks, positions[start : start + self.size], results)
         return results
