@@ -173,3 +173,44 @@ def test_the_leaderboard_and_the_ranking_share_the_rule_and_the_one_seed_convent
     assert [(r["method"], r["rank"]) for r in rows] == [("c", 1), ("a", 2), ("b", 2)]
     assert all(r["final_accuracy_std"] is None for r in rows)
     assert format_stat({"mean": 80.0, "std": None}) == "80.00 ± n/a"
+
+
+def test_update_published_replaces_one_methods_cells_and_keeps_the_others_as_published(published, tmp_path):
+    """A method whose default changed (here FedProx's μ, 1.0 -> 0.1: the protocol is the same) is re-run alone and
+    published into the whole leaderboard: its rows and cells are the new runs', every other method's rows equal the
+    published leaderboard's (the mean and std of the same records) and their cell records are copied unchanged."""
+    changed = {**SUITE, "methods": {**SUITE["methods"], "FedProx": {"config": {"algorithm": {"name": "fedprox", "mu": 0.1}}}}}
+    suite = load_suite(str(_write(tmp_path, "tiny-rank.yaml", changed)))
+    out = tmp_path / "update"
+    bench(suite, out, overrides=["run.threads=1"], methods=["FedProx"], published=published / CELLS_FILE, update_published=True)
+    root = out / "tiny-rank"
+    old_cells = json.loads((published / CELLS_FILE).read_text())
+    new_cells = json.loads((root / CELLS_FILE).read_text())
+    old_rows = {r["method"]: r for r in json.loads((published / "leaderboard.json").read_text())}
+    new_rows = {r["method"]: r for r in json.loads((root / "leaderboard.json").read_text())}
+    strip = lambda record: {k: v for k, v in record.items() if k != "environment"}  # noqa: E731  (ids are renumbered)
+    for method in ("FedAvg", "FedAvgM"):
+        assert [strip(r) for r in new_cells["cells"] if r["method"] == method] == [strip(r) for r in old_cells["cells"] if r["method"] == method]
+        for key in ("final_accuracy", "final_accuracy_std", "best_accuracy", "mb_per_round", "seconds_per_round", "percent_of_bf16_peak"):
+            assert new_rows[method][key] == old_rows[method][key], (method, key)
+    finals = []
+    for seed in SUITE["seeds"]:
+        rows = [json.loads(line) for line in (root / "lda" / "FedProx" / f"seed{seed}" / "metrics.jsonl").read_text().splitlines()]
+        finals.append(rows[-1]["test_accuracy"])
+        record = next(r for r in new_cells["cells"] if r["method"] == "FedProx" and r["seed"] == seed)
+        assert record["accuracy"] == [r["test_accuracy"] for r in rows]
+    assert new_rows["FedProx"]["final_accuracy"] == statistics.fmean(finals)
+    assert new_rows["FedProx"]["final_accuracy"] != old_rows["FedProx"]["final_accuracy"]  # it was re-run, not copied
+    assert (root / "leaderboard.md").is_file() and (root / "ranking.md").is_file()
+    assert not (root / "lda" / "FedAvg").exists()  # the other methods did not run
+
+
+def test_published_and_update_published_need_methods(tmp_path, capsys):
+    from fedistill.cli import main
+
+    suite_file = _write(tmp_path, "tiny-rank.yaml", SUITE)
+    for flags, message in ((["--published", "x.json"], "bench --published: only with --methods"),
+                           (["--update-published"], "bench --update-published: only with --methods")):  # fmt: skip
+        assert main(["bench", str(suite_file), "--out", str(tmp_path / "o"), *flags]) == 2
+        assert message in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()

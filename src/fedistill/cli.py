@@ -216,10 +216,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
     published = None if args.published is None else Path(args.published)
     if published is not None and methods is None:
         raise ConfigError("bench --published: only with --methods (the cells to rank against)")
+    if args.update_published and methods is None:
+        raise ConfigError("bench --update-published: only with --methods (the methods whose cells replace the published ones)")
     if methods is not None and args.cell is not None:
         raise ConfigError("bench: --cell and --methods cannot be combined; --methods runs every cell of those methods")
     bench(suite, Path(args.out), jobs=args.jobs, only=None if args.cell is None else [args.cell], overrides=overrides,
-          ray_address=args.ray, methods=methods, published=published)  # fmt: skip
+          ray_address=args.ray, methods=methods, published=published, update_published=args.update_published)  # fmt: skip
     return 0
 
 
@@ -381,6 +383,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="override a key in every cell")
     p.add_argument("--methods", metavar="NAME[,NAME]", help="run only these methods' cells (a --plugin method too) and rank them against the suite's published cells")
     p.add_argument("--published", metavar="CELLS.json", help="with --methods: the published cells (default: the ones that ship with fedistill, benchmarks/leaderboards/SUITE/cells.json in the repository)")
+    p.add_argument("--update-published", action="store_true", help="with --methods: also write the whole leaderboard (and its cells.json) with these methods' new cells in place of their published ones, every other method's as published: to publish a method re-run after its defaults changed")
 
     sub.add_parser("list", help="list algorithms, datasets, models, generators, partitions, shipped configs, reproduce presets and bench suites")
     return parser

@@ -174,6 +174,10 @@ class Cell:
     config: Any = None  # fedistill.config.Config
     why_not: str | None = None  # the refusal of a method that cannot run this setting
     _finished: Any = None  # its RunResult once finished (read by result())
+    # A cell taken from the published cells.json instead of a run directory (bench --methods --update-published):
+    # its record, and the environment it names.
+    published: dict[str, Any] | None = None
+    published_environment: dict[str, Any] | None = None
 
     def result(self):
         """The finished cell's numbers (reproduce's RunResult), or None while it is not finished; a finished
@@ -184,6 +188,12 @@ class Cell:
 
     def state(self) -> str:
         """n/a, done, partial (resumable) or todo."""
+        if self.published is not None:
+            status = self.published.get("status")
+            if status == "n/a":
+                self.why_not = self.published.get("why") or "n/a in the published cells"
+                return "n/a"
+            return "done" if status in ("finished", "diverged") else "todo"
         if self.why_not is None and (self.path / NOT_APPLICABLE).is_file():
             self.why_not = (self.path / NOT_APPLICABLE).read_text().strip()  # refused when it was set up
         if self.why_not is not None:
@@ -318,11 +328,15 @@ def bench(
     ray_address: str | None = None,
     methods: list[str] | None = None,
     published: Path | None = None,
+    update_published: bool = False,
 ) -> list[dict[str, Any]]:
     """Run the suite's cells (all, or those numbered in ``only``), ``jobs`` at a time (or as Ray tasks on the
     cluster at ``ray_address``; ``local`` starts one on this machine), then write and return the leaderboard
     of every finished cell. With ``methods``: only their cells, ranked against the published cells instead
-    (``published``, else the cells that ship with fedistill, fedistill/leaderboards/SUITE/cells.json; bench_rank.py)."""
+    (``published``, else the cells that ship with fedistill, fedistill/leaderboards/SUITE/cells.json; bench_rank.py).
+    With ``update_published`` as well: the whole leaderboard too (md, csv, json, html, figures, claims.json and
+    cells.json), with those methods' new cells in place of their published ones and every other method's cells as
+    published, so that a method re-run under a changed default is published without re-running the suite."""
     from ..runner import make_console
 
     console = console or make_console(wide=True)
@@ -398,11 +412,15 @@ def bench(
     if published_cells is not None:
         from .bench_rank import write_ranking
 
-        return write_ranking(suite, published_cells, cells, root, console)
+        ranked = write_ranking(suite, published_cells, cells, root, console)
+        if not update_published:
+            return ranked
+        cells = with_published_cells(suite_cells(suite, root, overrides), published_cells, methods or [])
     # Against the rate of the threads a cell has (one, unless --set run.threads=N): two cells side by side each
     # hold one core, so the all-core rate (2x on two cores) would halve every cell's share of what it could use.
     cell_threads = int(threads)
-    peak = best_bf16_peak(root, measure_bf16_peak(cell_threads), cell_threads)
+    peak = published_peak(suite.name, published, cell_threads) if update_published else None
+    peak = peak or best_bf16_peak(root, measure_bf16_peak(cell_threads), cell_threads)
     rows = leaderboard_rows(suite, cells, peak, cell_threads)
     claims = suite_claim_rows(suite, cells)
     write_leaderboard(suite, rows, root, cells, claims)
@@ -443,6 +461,22 @@ def _run_on_ray(todo: list[Cell], address: str, threads: int, first_seed: int):
     finally:
         if started_here:
             ray.shutdown()
+
+
+def published_peak(suite_name: str, published: Path | None, threads: int) -> float | None:
+    """The bf16 peak the published leaderboard beside the published cells was set against (its rows'
+    ``bf16_peak_gflops_per_s`` at ``threads`` threads), so that the published methods keep their % of peak when
+    the leaderboard is written again with a method re-run; None when it has none."""
+    from .bench_rank import published_cells_path
+
+    path = (Path(published) if published is not None else published_cells_path(suite_name)).parent / "leaderboard.json"
+    try:
+        rows = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    peaks = {r.get("bf16_peak_gflops_per_s") for r in rows if isinstance(r, dict) and r.get("bf16_peak_threads") == threads}
+    peaks.discard(None)
+    return max(peaks) if peaks else None
 
 
 def _refuse_changed_cells(cells: list[Cell]) -> None:
@@ -486,6 +520,8 @@ def _final_text(cell: Cell) -> str:
 
 def _cell_result(cell: Cell):
     """The finished cell's numbers (reproduce's RunResult), or None."""
+    if cell.published is not None:
+        return _published_result(cell)
     if cell.why_not is not None or not (cell.path / "config.yaml").is_file():
         return None
     from .reproduce import run_result
@@ -495,6 +531,38 @@ def _cell_result(cell: Cell):
     if summary.get("status") not in ("finished", "diverged"):
         return None
     return run_result(cell.config, cell.setting, cell.method, cell.seed, rows[: cell.config.rounds], summary.get("status") == "diverged")
+
+
+def _published_result(cell: Cell):
+    """A published cell's RunResult, from its record: the accuracy of every evaluated round (the suite's rounds and
+    eval.every give which rounds those were), its seconds and bytes per round, where it diverged."""
+    from .reproduce import RunResult
+
+    record = cell.published or {}
+    if record.get("status") not in ("finished", "diverged"):
+        return None
+    cfg = cell.config
+    rounds = [r for r in range(1, cfg.rounds + 1) if r % cfg.eval.every == 0 or r == cfg.rounds]
+    mb = record.get("mb_per_round")
+    return RunResult(
+        cell.setting, cell.method, cell.seed, list(zip(rounds, record.get("accuracy") or [])), record.get("seconds_per_round"),
+        diverged_after=record.get("diverged_after"), bytes_per_round=None if mb is None else mb * 1e6,
+    )  # fmt: skip
+
+
+def with_published_cells(cells: list[Cell], published: dict[str, Any], rerun: list[str]) -> list[Cell]:
+    """``cells`` (every cell of the suite) with each cell of a method not in ``rerun`` read from the published
+    cells (its record; unfinished if it has none), the cells of ``rerun`` from their run directories: the whole
+    leaderboard with those methods re-run and every other method as published."""
+    by_key = {(r["setting"], r["method"], r["seed"]): r for r in published["cells"]}
+    environments = published.get("environments", {})
+    for cell in cells:
+        if cell.method in rerun or cell.config is None:  # re-run, or a method this suite refuses here: as it is
+            continue
+        record = by_key.get((cell.setting, cell.method, cell.seed), {"setting": cell.setting, "method": cell.method,
+                                                                     "seed": cell.seed, "status": "unfinished"})  # fmt: skip
+        cell.published, cell.published_environment = record, environments.get(record.get("environment"))
+    return cells
 
 
 def list_cells(suite: Suite, out_dir: Path, overrides: list[str] | None = None) -> list[Cell]:

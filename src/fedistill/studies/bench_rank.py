@@ -71,6 +71,15 @@ def cell_records(cells: list[Any]) -> tuple[list[dict[str, Any]], dict[str, dict
             except (OSError, ValueError):
                 pass
     for cell in cells:
+        if getattr(cell, "published", None) is not None:  # kept from the published cells as it was
+            record = dict(cell.published)
+            env = cell.published_environment
+            if env is not None:
+                env_id = next((k for k, v in environments.items() if v == env), None) or f"env{len(environments)}"
+                environments[env_id] = env
+                record["environment"] = env_id
+            records.append(record)
+            continue
         record: dict[str, Any] = {"setting": cell.setting, "method": cell.method, "seed": cell.seed}
         state = cell.state()
         if state == "n/a":
