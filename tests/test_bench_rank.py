@@ -214,3 +214,23 @@ def test_published_and_update_published_need_methods(tmp_path, capsys):
         assert main(["bench", str(suite_file), "--out", str(tmp_path / "o"), *flags]) == 2
         assert message in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
+
+
+def test_a_setting_added_since_the_cells_were_published_counts_only_when_set(published, tmp_path):
+    """Cells published before ``local.batch_order`` existed ran it at its default: a cell of today at that default
+    has their protocol (fingerprinted in their form), one that sets another value does not."""
+    from fedistill.studies.bench_rank import fingerprint
+
+    data = json.loads((published / CELLS_FILE).read_text())
+    old = {**data["protocols"]["lda"], "local": {k: v for k, v in data["protocols"]["lda"]["local"].items() if k != "batch_order"}}
+    data["protocols"]["lda"] = old
+    for record in data["cells"]:
+        record["protocol"] = fingerprint(old)
+    older = _write(tmp_path, "older-cells.json", data)
+    older.write_text(json.dumps(data))
+    suite = load_suite(str(_write(tmp_path, "tiny-rank.yaml", SUITE)))
+    bench(suite, tmp_path / "ok", overrides=["run.threads=1"], methods=["FedAvg"], published=older)
+    ranking = json.loads((tmp_path / "ok" / "tiny-rank" / "ranking.json").read_text())
+    assert "FedAvg: 3 of 3 re-run cells equal to the published ones to the last bit" in ranking["notes"]
+    with pytest.raises(ConfigError, match=r"local.batch_order 'sequential' \(published: None\)"):
+        bench(suite, tmp_path / "no", overrides=["local.batch_order=sequential"], methods=["FedAvg"], published=older)

@@ -423,7 +423,7 @@ def bench(
     peak = peak or best_bf16_peak(root, measure_bf16_peak(cell_threads), cell_threads)
     rows = leaderboard_rows(suite, cells, peak, cell_threads)
     claims = suite_claim_rows(suite, cells)
-    write_leaderboard(suite, rows, root, cells, claims)
+    write_leaderboard(suite, rows, root, cells, claims, published_cells if update_published else None)
     console.print(f"leaderboard: {root / 'leaderboard.md'} (and .csv, .json, .html) after {_duration(time.perf_counter() - started)}")
     if claims:
         from ..report.claims import print_claims

@@ -44,6 +44,44 @@ def fingerprint(protocol: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(protocol, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
+_MISSING = object()
+
+
+def published_form(protocol: dict[str, Any], published: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
+    """``protocol`` as the version that wrote ``published`` (a setting's protocol in cells.json) would have written
+    it: a key that ``published`` lacks and that holds its default (``defaults``, a default config's protocol) is a
+    setting added since, which the published cells ran at its default; it is dropped, at any depth. A key the
+    published protocol lacks but set to another value stays, and so still differs."""
+    out: dict[str, Any] = {}
+    for key, value in protocol.items():
+        default = defaults.get(key, _MISSING) if isinstance(defaults, dict) else _MISSING
+        if key not in published:
+            if default is not _MISSING and default == value:
+                continue
+            out[key] = value
+        elif isinstance(value, dict) and isinstance(published[key], dict):
+            out[key] = published_form(value, published[key], default if isinstance(default, dict) else {})
+        else:
+            out[key] = value
+    return out
+
+
+def default_protocol() -> dict[str, Any]:
+    """The protocol of a config with every default (what a key added after publication holds unless set)."""
+    from ..config import build_config
+
+    return protocol_of(build_config({}))
+
+
+def published_fingerprint(cfg: Any, setting: str, published: dict[str, Any] | None, defaults: dict[str, Any] | None = None) -> str:
+    """The fingerprint of ``cfg``'s protocol, in the form of the published cells' protocol of ``setting`` when
+    there are published cells (:func:`published_form`), else as it is."""
+    protocol = protocol_of(cfg)
+    if published is not None and setting in published.get("protocols", {}):
+        protocol = published_form(protocol, published["protocols"][setting], defaults if defaults is not None else default_protocol())
+    return fingerprint(protocol)
+
+
 def _environment(path: Path) -> dict[str, Any]:
     """Where a cell ran, from its run directory's environment.json: CPU, torch, fedistill's commit."""
     try:
@@ -57,9 +95,12 @@ def _environment(path: Path) -> dict[str, Any]:
     return {"cpu": env.get("cpu"), "cpu_count": env.get("cpu_count"), "torch": env.get("torch"), "fedistill": commit}
 
 
-def cell_records(cells: list[Any]) -> tuple[list[dict[str, Any]], dict[str, dict[str, Any]]]:
+def cell_records(cells: list[Any], published: dict[str, Any] | None = None) -> tuple[list[dict[str, Any]], dict[str, dict[str, Any]]]:
     """(records, environments): one record per cell of the suite (unfinished cells too, as such), and the
-    distinct environments they ran in, referenced by id to keep the file small."""
+    distinct environments they ran in, referenced by id to keep the file small. With ``published`` (cells.json
+    being written again with some methods re-run), a new cell's protocol fingerprint is taken in the published
+    cells' form, so that it matches theirs where only settings added since differ."""
+    defaults = default_protocol() if published is not None else None
     environments: dict[str, dict[str, Any]] = {}
     records = []
     flops_of: dict[tuple[str, str], float | None] = {}
@@ -108,16 +149,17 @@ def cell_records(cells: list[Any]) -> tuple[list[dict[str, Any]], dict[str, dict
             "seconds_per_round": result.seconds_per_round,
             "gflops_per_round": None if flops is None else flops / 1e9,
             "environment": env_id,
-            "protocol": fingerprint(protocol_of(cell.config)),
+            "protocol": published_fingerprint(cell.config, cell.setting, published, defaults),
         })  # fmt: skip
     return records, environments
 
 
-def write_cells(suite: Any, cells: list[Any], root: Path) -> Path:
+def write_cells(suite: Any, cells: list[Any], root: Path, published: dict[str, Any] | None = None) -> Path:
     """``cells.json`` beside the leaderboard: the suite's cells and, per setting, the protocol of its first
-    finished cell written out (to say what differs when another protocol is refused)."""
-    records, environments = cell_records(cells)
-    protocols: dict[str, dict[str, Any]] = {}
+    finished cell written out (to say what differs when another protocol is refused); with ``published`` (some
+    methods re-run into published cells), the published protocols are kept."""
+    records, environments = cell_records(cells, published)
+    protocols: dict[str, dict[str, Any]] = dict(published["protocols"]) if published is not None else {}
     for cell in cells:
         if cell.setting not in protocols and cell.why_not is None and cell.config is not None:
             protocols[cell.setting] = protocol_of(cell.config)
@@ -173,7 +215,9 @@ def _differences(mine: dict[str, Any], theirs: dict[str, Any], prefix: str = "")
 
 
 def check_protocol(cells: list[Any], published: dict[str, Any]) -> None:
-    """Refuse, in one line, cells whose protocol matches no published cell of their setting."""
+    """Refuse, in one line, cells whose protocol matches no published cell of their setting (settings added since
+    the cells were published, at their defaults, do not count: :func:`published_form`)."""
+    defaults = default_protocol()
     known: dict[str, set[str]] = {}
     for record in published["cells"]:
         if record.get("protocol"):
@@ -183,7 +227,7 @@ def check_protocol(cells: list[Any], published: dict[str, Any]) -> None:
             continue
         if cell.setting not in published["protocols"]:
             raise ConfigError(f"bench --methods: setting {cell.setting!r} is not in the published cells; the suite changed since they were made")
-        protocol = protocol_of(cell.config)
+        protocol = published_form(protocol_of(cell.config), published["protocols"][cell.setting], defaults)
         if fingerprint(protocol) not in known.get(cell.setting, set()):
             diff = _differences(protocol, published["protocols"][cell.setting])
             what = "; ".join(diff[:3]) + (f"; and {len(diff) - 3} more" if len(diff) > 3 else "") if diff else "a method default"

@@ -121,7 +121,8 @@ def _unfinished(by_key: dict[tuple[str, str, int], Any], setting: str, method: s
 
 
 def write_leaderboard(
-    suite: Any, rows: list[dict[str, Any]], root: Path, cells: list[Any] | None = None, claims: list[dict[str, Any]] | None = None
+    suite: Any, rows: list[dict[str, Any]], root: Path, cells: list[Any] | None = None, claims: list[dict[str, Any]] | None = None,
+    published: dict[str, Any] | None = None,
 ) -> None:
     """leaderboard.md, .csv, .json and, given the cells (for the curves), one figure per setting and the
     self-contained leaderboard.html (report/leaderboard.py); given the suite's evaluated claims, their verdicts
@@ -151,7 +152,7 @@ def write_leaderboard(
         atomic_write(root / "claims.json", json.dumps(claims_records(claims), indent=1))
     atomic_write(root / "leaderboard.json", json.dumps(rows, indent=1))
     if cells is not None:  # every cell, for `bench --methods` to rank a new method against (bench_rank.py)
-        write_cells(suite, cells, root)
+        write_cells(suite, cells, root, published)
     fields = list(dict.fromkeys(k for r in rows for k in r))
     with atomic_open(root / "leaderboard.csv", "w", newline="") as fh:
         writer = csv.DictWriter(fh, fieldnames=fields)
