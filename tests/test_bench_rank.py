@@ -234,3 +234,15 @@ def test_a_setting_added_since_the_cells_were_published_counts_only_when_set(pub
     assert "FedAvg: 3 of 3 re-run cells equal to the published ones to the last bit" in ranking["notes"]
     with pytest.raises(ConfigError, match=r"local.batch_order 'sequential' \(published: None\)"):
         bench(suite, tmp_path / "no", overrides=["local.batch_order=sequential"], methods=["FedAvg"], published=older)
+
+
+def test_update_published_leaves_out_methods_the_published_cells_do_not_have(published, tmp_path):
+    """A method registered since the cells were published (here FedNova, added to the suite) is not run and not
+    listed: the leaderboard written again is the published one with the re-run method changed."""
+    grown = {**SUITE, "methods": {**SUITE["methods"], "FedNova": {"config": {"algorithm": {"name": "fednova"}}}}}
+    suite = load_suite(str(_write(tmp_path, "tiny-rank.yaml", grown)))
+    out = tmp_path / "grown"
+    bench(suite, out, overrides=["run.threads=1"], methods=["FedProx"], published=published / CELLS_FILE, update_published=True)
+    rows = json.loads((out / "tiny-rank" / "leaderboard.json").read_text())
+    assert sorted(r["method"] for r in rows) == ["FedAvg", "FedAvgM", "FedProx"]
+    assert {r["method"] for r in json.loads((out / "tiny-rank" / CELLS_FILE).read_text())["cells"]} == {"FedAvg", "FedAvgM", "FedProx"}

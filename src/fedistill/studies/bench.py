@@ -553,9 +553,13 @@ def _published_result(cell: Cell):
 def with_published_cells(cells: list[Cell], published: dict[str, Any], rerun: list[str]) -> list[Cell]:
     """``cells`` (every cell of the suite) with each cell of a method not in ``rerun`` read from the published
     cells (its record; unfinished if it has none), the cells of ``rerun`` from their run directories: the whole
-    leaderboard with those methods re-run and every other method as published."""
+    leaderboard with those methods re-run and every other method as published. A method the published cells do
+    not have (registered since, in a suite that runs every method) is left out, not listed as unfinished: the
+    leaderboard is the published one with the re-run methods changed."""
     by_key = {(r["setting"], r["method"], r["seed"]): r for r in published["cells"]}
     environments = published.get("environments", {})
+    known = {r["method"] for r in published["cells"]} | set(rerun)
+    cells = [c for c in cells if c.method in known]
     for cell in cells:
         if cell.method in rerun or cell.config is None:  # re-run, or a method this suite refuses here: as it is
             continue

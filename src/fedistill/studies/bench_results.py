@@ -51,6 +51,8 @@ def leaderboard_rows(
         part = []
         for method in suite.method_specs():
             mine = [c for c in cells if c.setting == setting and c.method == method]
+            if not mine:  # not among these cells (a method registered after the published cells were made)
+                continue
             row: dict[str, Any] = {"setting": setting, "label": spec.label, "method": method, "seeds": len(mine)}
             if any(c.state() == "n/a" for c in mine):
                 part.append({**row, "status": "n/a", "why": next(c.why_not for c in mine if c.why_not)})
