@@ -342,6 +342,9 @@ def bench(
     console = console or make_console(wide=True)
     from ..engine.cores import job_overrides, override_keys
 
+    if update_published and methods is None:
+        raise ConfigError("bench: update_published needs methods (the methods whose cells replace the published ones)")
+
     # One-thread, one-process cells, however many run at once: the leaderboard's % of peak is per thread, and a
     # cell's numbers do not depend on --jobs. (Ray places cells on its own cluster's CPUs: no local core check.)
     overrides = job_overrides("bench", jobs, overrides or [], one_process_runs=True, check_cores=ray_address is None)
@@ -410,7 +413,7 @@ def bench(
                 _, seconds = future.result()
                 finished(futures[future], seconds, i)
     if published_cells is not None:
-        from .bench_rank import write_ranking
+        from .bench_rank import with_published_cells, write_ranking
 
         ranked = write_ranking(suite, published_cells, cells, root, console)
         if not update_published:
@@ -419,7 +422,11 @@ def bench(
     # Against the rate of the threads a cell has (one, unless --set run.threads=N): two cells side by side each
     # hold one core, so the all-core rate (2x on two cores) would halve every cell's share of what it could use.
     cell_threads = int(threads)
-    peak = published_peak(suite.name, published, cell_threads) if update_published else None
+    peak = None
+    if update_published:  # the published leaderboard's own peak: the published rows keep their % of peak
+        from .bench_rank import published_peak
+
+        peak = published_peak(suite.name, published, cell_threads)
     peak = peak or best_bf16_peak(root, measure_bf16_peak(cell_threads), cell_threads)
     rows = leaderboard_rows(suite, cells, peak, cell_threads)
     claims = suite_claim_rows(suite, cells)
@@ -461,22 +468,6 @@ def _run_on_ray(todo: list[Cell], address: str, threads: int, first_seed: int):
     finally:
         if started_here:
             ray.shutdown()
-
-
-def published_peak(suite_name: str, published: Path | None, threads: int) -> float | None:
-    """The bf16 peak the published leaderboard beside the published cells was set against (its rows'
-    ``bf16_peak_gflops_per_s`` at ``threads`` threads), so that the published methods keep their % of peak when
-    the leaderboard is written again with a method re-run; None when it has none."""
-    from .bench_rank import published_cells_path
-
-    path = (Path(published) if published is not None else published_cells_path(suite_name)).parent / "leaderboard.json"
-    try:
-        rows = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    peaks = {r.get("bf16_peak_gflops_per_s") for r in rows if isinstance(r, dict) and r.get("bf16_peak_threads") == threads}
-    peaks.discard(None)
-    return max(peaks) if peaks else None
 
 
 def _refuse_changed_cells(cells: list[Cell]) -> None:
@@ -521,7 +512,9 @@ def _final_text(cell: Cell) -> str:
 def _cell_result(cell: Cell):
     """The finished cell's numbers (reproduce's RunResult), or None."""
     if cell.published is not None:
-        return _published_result(cell)
+        from .bench_rank import published_result
+
+        return published_result(cell)
     if cell.why_not is not None or not (cell.path / "config.yaml").is_file():
         return None
     from .reproduce import run_result
@@ -531,42 +524,6 @@ def _cell_result(cell: Cell):
     if summary.get("status") not in ("finished", "diverged"):
         return None
     return run_result(cell.config, cell.setting, cell.method, cell.seed, rows[: cell.config.rounds], summary.get("status") == "diverged")
-
-
-def _published_result(cell: Cell):
-    """A published cell's RunResult, from its record: the accuracy of every evaluated round (the suite's rounds and
-    eval.every give which rounds those were), its seconds and bytes per round, where it diverged."""
-    from .reproduce import RunResult
-
-    record = cell.published or {}
-    if record.get("status") not in ("finished", "diverged"):
-        return None
-    cfg = cell.config
-    rounds = [r for r in range(1, cfg.rounds + 1) if r % cfg.eval.every == 0 or r == cfg.rounds]
-    mb = record.get("mb_per_round")
-    return RunResult(
-        cell.setting, cell.method, cell.seed, list(zip(rounds, record.get("accuracy") or [])), record.get("seconds_per_round"),
-        diverged_after=record.get("diverged_after"), bytes_per_round=None if mb is None else mb * 1e6,
-    )  # fmt: skip
-
-
-def with_published_cells(cells: list[Cell], published: dict[str, Any], rerun: list[str]) -> list[Cell]:
-    """``cells`` (every cell of the suite) with each cell of a method not in ``rerun`` read from the published
-    cells (its record; unfinished if it has none), the cells of ``rerun`` from their run directories: the whole
-    leaderboard with those methods re-run and every other method as published. A method the published cells do
-    not have (registered since, in a suite that runs every method) is left out, not listed as unfinished: the
-    leaderboard is the published one with the re-run methods changed."""
-    by_key = {(r["setting"], r["method"], r["seed"]): r for r in published["cells"]}
-    environments = published.get("environments", {})
-    known = {r["method"] for r in published["cells"]} | set(rerun)
-    cells = [c for c in cells if c.method in known]
-    for cell in cells:
-        if cell.method in rerun or cell.config is None:  # re-run, or a method this suite refuses here: as it is
-            continue
-        record = by_key.get((cell.setting, cell.method, cell.seed), {"setting": cell.setting, "method": cell.method,
-                                                                     "seed": cell.seed, "status": "unfinished"})  # fmt: skip
-        cell.published, cell.published_environment = record, environments.get(record.get("environment"))
-    return cells
 
 
 def list_cells(suite: Suite, out_dir: Path, overrides: list[str] | None = None) -> list[Cell]:

@@ -8,7 +8,8 @@ a new method against without re-running the published methods: only the new meth
 seeds, and each is paired by seed with every published method's (report/claims.py: mean difference, 95 %
 t-interval, seeds ahead, Wilcoxon). A cell whose protocol matches no published cell of its setting is refused:
 the comparison needs the same protocol, not the same floats (another CPU or torch makes other floats, and the
-ranking says so).
+ranking says so). With ``--update-published``, the published cells also stand in for the run directories of every
+method but the re-run ones (:func:`with_published_cells`), so the whole leaderboard is written again.
 """
 
 from __future__ import annotations
@@ -383,6 +384,56 @@ def write_ranking(suite: Any, published: dict[str, Any], cells: list[Any], root:
             console.print(f"  {verdict['text']}", highlight=False)
     console.print(f"ranking: {root / 'ranking.md'} (and ranking.json)")
     return [row for rows in ranking["settings"].values() for row in rows]
+
+
+def published_peak(suite_name: str, published: Path | None, threads: int) -> float | None:
+    """The bf16 peak the published leaderboard beside the published cells was set against (its rows'
+    ``bf16_peak_gflops_per_s`` at ``threads`` threads), so that the published methods keep their % of peak when
+    the leaderboard is written again with a method re-run; None when it has none."""
+    path = (Path(published) if published is not None else published_cells_path(suite_name)).parent / "leaderboard.json"
+    try:
+        rows = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    peaks = {r.get("bf16_peak_gflops_per_s") for r in rows if isinstance(r, dict) and r.get("bf16_peak_threads") == threads}
+    peaks.discard(None)
+    return max(peaks) if peaks else None
+
+
+def published_result(cell: Any) -> Any:
+    """A published cell's RunResult, from its record: the accuracy of every evaluated round (the suite's rounds and
+    eval.every give which rounds those were), its seconds and bytes per round, where it diverged."""
+    from .reproduce import RunResult
+
+    record = cell.published or {}
+    if record.get("status") not in ("finished", "diverged"):
+        return None
+    cfg = cell.config
+    rounds = [r for r in range(1, cfg.rounds + 1) if r % cfg.eval.every == 0 or r == cfg.rounds]
+    mb = record.get("mb_per_round")
+    return RunResult(
+        cell.setting, cell.method, cell.seed, list(zip(rounds, record.get("accuracy") or [])), record.get("seconds_per_round"),
+        diverged_after=record.get("diverged_after"), bytes_per_round=None if mb is None else mb * 1e6,
+    )  # fmt: skip
+
+
+def with_published_cells(cells: list[Any], published: dict[str, Any], rerun: list[str]) -> list[Any]:
+    """``cells`` (every cell of the suite) with each cell of a method not in ``rerun`` read from the published
+    cells (its record; unfinished if it has none), the cells of ``rerun`` from their run directories: the whole
+    leaderboard with those methods re-run and every other method as published. A method the published cells do
+    not have (registered since, in a suite that runs every method) is left out, not listed as unfinished: the
+    leaderboard is the published one with the re-run methods changed."""
+    by_key = {(r["setting"], r["method"], r["seed"]): r for r in published["cells"]}
+    environments = published.get("environments", {})
+    known = {r["method"] for r in published["cells"]} | set(rerun)
+    cells = [c for c in cells if c.method in known]
+    for cell in cells:
+        if cell.method in rerun or cell.config is None:  # re-run, or a method this suite refuses here: as it is
+            continue
+        record = by_key.get((cell.setting, cell.method, cell.seed), {"setting": cell.setting, "method": cell.method,
+                                                                     "seed": cell.seed, "status": "unfinished"})  # fmt: skip
+        cell.published, cell.published_environment = record, environments.get(record.get("environment"))
+    return cells
 
 
 def with_methods(suite: Any, methods: list[str], spec_class: Any) -> Any:
