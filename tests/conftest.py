@@ -178,6 +178,11 @@ def assert_learns(dataset, algorithm, threshold=70.0, **overrides):
     assert accuracy > threshold, f"{algorithm}: {accuracy:.1f}% " + str([(round(r["test_accuracy"], 1), round(r["train_loss"], 3)) for r in history])
 
 
+def without_timings(history):
+    """Metric rows without their timings (every key ending in "seconds"): what two runs of the same numbers share."""
+    return [{k: v for k, v in row.items() if not k.endswith("seconds")} for row in history]
+
+
 def assert_resume_is_exact(dataset, tmp_path, algorithm, server_keys=(), client_keys=(), **overrides):
     """Two rounds, a checkpoint, two more rounds == four uninterrupted rounds, states included."""
     from fedistill.simulation import Simulation
@@ -192,8 +197,7 @@ def assert_resume_is_exact(dataset, tmp_path, algorithm, server_keys=(), client_
     resumed = Simulation(cfg(4), dataset, run_dir=tmp_path / "part")
     resumed.run(resume=True)
     assert torch.equal(get_flat(full.server.model), get_flat(resumed.server.model))
-    strip = lambda h: [{k: v for k, v in r.items() if not k.endswith("seconds")} for r in h]  # noqa: E731
-    assert strip(full.state.history) == strip(resumed.state.history)
+    assert without_timings(full.state.history) == without_timings(resumed.state.history)
     for key in server_keys:
         assert torch.equal(full.server.state[key], resumed.server.state[key]), key
     for key in client_keys:
@@ -245,8 +249,7 @@ def assert_resume_bitwise(dataset, tmp_path, algorithm, clients, state_key, **ov
     straight, full = run(3, "a")
     run(2, "b")
     resumed, history = run(3, "b", resume=True)
-    strip = lambda h: [{k: v for k, v in r.items() if not k.endswith("seconds")} for r in h]  # noqa: E731
-    assert strip(history) == strip(full)
+    assert without_timings(history) == without_timings(full)
     a, b = own_models(straight), own_models(resumed)
     assert a.keys() == b.keys() and all(torch.equal(a[cid], b[cid]) for cid in a)
     assert torch.equal(straight.server.state[state_key], resumed.server.state[state_key])

@@ -14,7 +14,7 @@ import warnings
 
 import pytest
 import torch
-from conftest import assert_resume_is_exact, small_config
+from conftest import assert_resume_is_exact, small_config, without_timings
 from test_cuda_graphs import GRAPHABLE
 from test_dafkd import QUICK as DAFKD_QUICK
 from test_fd import fd_config
@@ -304,8 +304,7 @@ def test_resident_weights_give_todays_gpu_bits(digits, algorithm, graphs):
     (SCAFFOLD's c, FedAvgM's momentum) lives on the device with the vectors."""
     host, device = _resident_pair(digits, algorithm, **({"run.cuda_graphs": True} if graphs else {}))
     assert torch.equal(get_flat(host.server.model), get_flat(device.server.model))
-    strip = lambda history: [{k: v for k, v in r.items() if not k.endswith("seconds")} for r in history]  # noqa: E731
-    assert strip(host.state.history) == strip(device.state.history)
+    assert without_timings(host.state.history) == without_timings(device.state.history)
     for key, value in device.server.state.items():
         if isinstance(value, torch.Tensor):
             assert value.device.type == "cuda" and torch.equal(value.cpu(), host.server.state[key].cpu()), key

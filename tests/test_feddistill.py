@@ -10,7 +10,7 @@ import math
 
 import pytest
 import torch
-from conftest import hetero_config, own_models
+from conftest import hetero_config, own_models, without_timings
 
 from fedistill.algorithms.build import make_algorithm
 from fedistill.class_losses import class_table_distillation
@@ -176,8 +176,7 @@ def test_resume_after_a_kill_is_bitwise(digits, tmp_path):
     Simulation(fd_config(rounds=2), digits, run_dir=tmp_path / "b").run()
     resumed = Simulation(fd_config(rounds=3), digits, run_dir=tmp_path / "b")
     history = resumed.run(resume=True)
-    strip = lambda h: [{k: v for k, v in r.items() if not k.endswith("seconds")} for r in h]  # noqa: E731
-    assert strip(history) == strip(full)
+    assert without_timings(history) == without_timings(full)
     a, b = own_models(straight), own_models(resumed)
     assert all(torch.equal(a[cid], b[cid]) for cid in range(3))
     for key in ("teacher_classes", "teacher_rows"):

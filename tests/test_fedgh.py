@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import hetero_config, own_models
+from conftest import hetero_config, own_models, without_timings
 
 from fedistill.algorithms.build import make_algorithm
 from fedistill.config import build_config
@@ -157,8 +157,7 @@ def test_resume_after_a_kill_is_bitwise(digits, tmp_path):
     Simulation(hetero_config("fedgh", clients=THREE, rounds=2), digits, run_dir=tmp_path / "b").run()
     resumed = Simulation(hetero_config("fedgh", clients=THREE, rounds=3), digits, run_dir=tmp_path / "b")
     history = resumed.run(resume=True)
-    strip = lambda h: [{k: v for k, v in r.items() if not k.endswith("seconds")} for r in h]  # noqa: E731
-    assert strip(history) == strip(full)
+    assert without_timings(history) == without_timings(full)
     a, b = own_models(straight), own_models(resumed)
     assert all(torch.equal(a[cid], b[cid]) for cid in range(3))
     assert torch.equal(straight.server.state["header"], resumed.server.state["header"])

@@ -9,7 +9,7 @@ import math
 
 import pytest
 import torch
-from conftest import hetero_config, own_models
+from conftest import hetero_config, own_models, without_timings
 
 from fedistill.algorithms.build import make_algorithm
 from fedistill.algorithms.fedtgp import PrototypeGenerator
@@ -177,8 +177,7 @@ def test_resume_after_a_kill_is_bitwise(digits, tmp_path):
     Simulation(hetero_config(algorithm, clients=THREE, rounds=2), digits, run_dir=tmp_path / "b").run()
     resumed = Simulation(hetero_config(algorithm, clients=THREE, rounds=3), digits, run_dir=tmp_path / "b")
     history = resumed.run(resume=True)
-    strip = lambda h: [{k: v for k, v in r.items() if not k.endswith("seconds")} for r in h]  # noqa: E731
-    assert strip(history) == strip(full)
+    assert without_timings(history) == without_timings(full)
     a, b = own_models(straight), own_models(resumed)
     assert all(torch.equal(a[cid], b[cid]) for cid in range(3))
     assert torch.equal(straight.server.state["tgp_generator"], resumed.server.state["tgp_generator"])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from conftest import hetero_config, own_models
+from conftest import hetero_config, own_models, without_timings
 
 from fedistill.data.dataset import Dataset
 from fedistill.data.pipeline import TensorPipeline
@@ -72,8 +72,7 @@ def test_resume_after_a_kill_is_bitwise_with_three_architectures(digits, tmp_pat
     Simulation(hetero_config("local_only", clients=THREE, rounds=2), digits, run_dir=tmp_path / "b").run()
     resumed = Simulation(hetero_config("local_only", clients=THREE, rounds=3), digits, run_dir=tmp_path / "b")
     history = resumed.run(resume=True)
-    strip = lambda h: [{k: v for k, v in r.items() if not k.endswith("seconds")} for r in h]  # noqa: E731
-    assert strip(history) == strip(full)
+    assert without_timings(history) == without_timings(full)
     a, b = own_models(straight), own_models(resumed)
     assert sorted(a) == [0, 1, 2] and all(torch.equal(a[c], b[c]) for c in a)
 

@@ -7,7 +7,7 @@ server's evaluation, with float32 master weights, optimizer and aggregation (alg
 from __future__ import annotations
 
 import torch
-from conftest import small_config
+from conftest import small_config, without_timings
 
 from fedistill.algorithms.local import evaluate
 from fedistill.simulation import Simulation
@@ -53,8 +53,7 @@ def test_bf16_fedavg_learns_is_deterministic_and_trains_and_evaluates_under_bf16
     again = Simulation(_config("bf16", 4), digits)
     again_history = again.run()
     assert torch.equal(get_flat(sim.server.model), get_flat(again.server.model))  # bitwise
-    strip = lambda h: [{k: v for k, v in r.items() if not k.endswith("seconds")} for r in h]  # noqa: E731
-    assert strip(history) == strip(again_history)
+    assert without_timings(history) == without_timings(again_history)
 
 
 def test_fp32_runs_do_not_autocast(digits):

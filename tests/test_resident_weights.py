@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import assert_resume_is_exact, small_config
+from conftest import assert_resume_is_exact, small_config, without_timings
 from torch.overrides import TorchFunctionMode
 
 from fedistill.errors import ConfigError
@@ -59,8 +59,7 @@ def test_resident_weights_change_no_number(digits, algorithm):
     plain_sim, plain = _run(algorithm, digits, False)
     resident_sim, kept = _run(algorithm, digits, True)
     assert torch.equal(get_flat(plain_sim.server.model), get_flat(resident_sim.server.model))
-    strip = lambda history: [{k: v for k, v in r.items() if not k.endswith("seconds")} for r in history]  # noqa: E731
-    assert strip(plain) == strip(kept)
+    assert without_timings(plain) == without_timings(kept)
     for key, value in plain_sim.server.state.items():
         if isinstance(value, torch.Tensor):
             assert torch.equal(value, resident_sim.server.state[key]), key

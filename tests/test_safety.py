@@ -14,7 +14,7 @@ import pytest
 import torch
 import yaml
 
-from conftest import child_processes, live_processes
+from conftest import child_processes, live_processes, without_timings
 
 from fedistill.cli import main
 
@@ -104,8 +104,7 @@ def test_resume_of_a_run_without_checkpoint_starts_it_from_round_one(tmp_path, c
     assert "--resume" in _one_line_error(capsys, "already exists")
     assert main(["run", "--resume", str(died), "--no-progress"]) == 0
     assert "round 1" in capsys.readouterr().out
-    strip = lambda rows: [{k: v for k, v in r.items() if "seconds" not in k} for r in rows]  # noqa: E731
-    assert strip(_rows(died)) == strip(_rows(full))
+    assert without_timings(_rows(died)) == without_timings(_rows(full))
 
 
 def test_resume_without_checkpoint_removes_the_client_state_files_of_the_dead_attempt(tmp_path):
