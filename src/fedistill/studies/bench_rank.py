@@ -48,38 +48,38 @@ def fingerprint(protocol: dict[str, Any]) -> str:
 _MISSING = object()
 
 
-def published_form(protocol: dict[str, Any], published: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
+def published_form(protocol: dict[str, Any], published: dict[str, Any]) -> dict[str, Any]:
     """``protocol`` as the version that wrote ``published`` (a setting's protocol in cells.json) would have written
-    it: a key that ``published`` lacks and that holds its default (``defaults``, a default config's protocol) is a
-    setting added since, which the published cells ran at its default; it is dropped, at any depth. A key the
-    published protocol lacks but set to another value stays, and so still differs."""
+    it. A key that ``published`` lacks is a setting added since; the published cells ran it at the value this
+    version gives it when it reads their protocol as a saved run's (runs.comparable_config: the default, or the
+    default it had then where it changed since). Where ``protocol`` holds that value the key is dropped, at any
+    depth; set to another value it stays, and so still differs."""
+    from ..runs import comparable_config
+
+    return _without_added_defaults(protocol, published, comparable_config(published))
+
+
+def _without_added_defaults(protocol: dict[str, Any], published: dict[str, Any], read: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, value in protocol.items():
-        default = defaults.get(key, _MISSING) if isinstance(defaults, dict) else _MISSING
+        then = read.get(key, _MISSING) if isinstance(read, dict) else _MISSING
         if key not in published:
-            if default is not _MISSING and default == value:
+            if then is not _MISSING and then == value:
                 continue
             out[key] = value
         elif isinstance(value, dict) and isinstance(published[key], dict):
-            out[key] = published_form(value, published[key], default if isinstance(default, dict) else {})
+            out[key] = _without_added_defaults(value, published[key], then if isinstance(then, dict) else {})
         else:
             out[key] = value
     return out
 
 
-def default_protocol() -> dict[str, Any]:
-    """The protocol of a config with every default (what a key added after publication holds unless set)."""
-    from ..config import build_config
-
-    return protocol_of(build_config({}))
-
-
-def published_fingerprint(cfg: Any, setting: str, published: dict[str, Any] | None, defaults: dict[str, Any] | None = None) -> str:
+def published_fingerprint(cfg: Any, setting: str, published: dict[str, Any] | None) -> str:
     """The fingerprint of ``cfg``'s protocol, in the form of the published cells' protocol of ``setting`` when
     there are published cells (:func:`published_form`), else as it is."""
     protocol = protocol_of(cfg)
     if published is not None and setting in published.get("protocols", {}):
-        protocol = published_form(protocol, published["protocols"][setting], defaults if defaults is not None else default_protocol())
+        protocol = published_form(protocol, published["protocols"][setting])
     return fingerprint(protocol)
 
 
@@ -96,12 +96,20 @@ def _environment(path: Path) -> dict[str, Any]:
     return {"cpu": env.get("cpu"), "cpu_count": env.get("cpu_count"), "torch": env.get("torch"), "fedistill": commit}
 
 
+def _environment_id(environments: dict[str, dict[str, Any]], env: dict[str, Any]) -> str:
+    """``env``'s id among ``environments`` (``env0``, ``env1``, ...), added as the next id if it is new."""
+    env_id = next((k for k, v in environments.items() if v == env), None)
+    if env_id is None:
+        env_id = f"env{len(environments)}"
+        environments[env_id] = env
+    return env_id
+
+
 def cell_records(cells: list[Any], published: dict[str, Any] | None = None) -> tuple[list[dict[str, Any]], dict[str, dict[str, Any]]]:
     """(records, environments): one record per cell of the suite (unfinished cells too, as such), and the
     distinct environments they ran in, referenced by id to keep the file small. With ``published`` (cells.json
     being written again with some methods re-run), a new cell's protocol fingerprint is taken in the published
     cells' form, so that it matches theirs where only settings added since differ."""
-    defaults = default_protocol() if published is not None else None
     environments: dict[str, dict[str, Any]] = {}
     records = []
     flops_of: dict[tuple[str, str], float | None] = {}
@@ -117,9 +125,7 @@ def cell_records(cells: list[Any], published: dict[str, Any] | None = None) -> t
             record = dict(cell.published)
             env = cell.published_environment
             if env is not None:
-                env_id = next((k for k, v in environments.items() if v == env), None) or f"env{len(environments)}"
-                environments[env_id] = env
-                record["environment"] = env_id
+                record["environment"] = _environment_id(environments, env)
             records.append(record)
             continue
         record: dict[str, Any] = {"setting": cell.setting, "method": cell.method, "seed": cell.seed}
@@ -132,10 +138,7 @@ def cell_records(cells: list[Any], published: dict[str, Any] | None = None) -> t
             records.append({**record, "status": "unfinished"})
             continue
         env = _environment(cell.path)
-        env_id = next((k for k, v in environments.items() if v == env), None)
-        if env_id is None:
-            env_id = f"env{len(environments)}"
-            environments[env_id] = env
+        env_id = _environment_id(environments, env)
         accuracy = [a for _, a in result.accuracies]
         flops = flops_of.get((cell.setting, cell.method))
         records.append({
@@ -150,7 +153,7 @@ def cell_records(cells: list[Any], published: dict[str, Any] | None = None) -> t
             "seconds_per_round": result.seconds_per_round,
             "gflops_per_round": None if flops is None else flops / 1e9,
             "environment": env_id,
-            "protocol": published_fingerprint(cell.config, cell.setting, published, defaults),
+            "protocol": published_fingerprint(cell.config, cell.setting, published),
         })  # fmt: skip
     return records, environments
 
@@ -218,7 +221,6 @@ def _differences(mine: dict[str, Any], theirs: dict[str, Any], prefix: str = "")
 def check_protocol(cells: list[Any], published: dict[str, Any]) -> None:
     """Refuse, in one line, cells whose protocol matches no published cell of their setting (settings added since
     the cells were published, at their defaults, do not count: :func:`published_form`)."""
-    defaults = default_protocol()
     known: dict[str, set[str]] = {}
     for record in published["cells"]:
         if record.get("protocol"):
@@ -228,7 +230,7 @@ def check_protocol(cells: list[Any], published: dict[str, Any]) -> None:
             continue
         if cell.setting not in published["protocols"]:
             raise ConfigError(f"bench --methods: setting {cell.setting!r} is not in the published cells; the suite changed since they were made")
-        protocol = published_form(protocol_of(cell.config), published["protocols"][cell.setting], defaults)
+        protocol = published_form(protocol_of(cell.config), published["protocols"][cell.setting])
         if fingerprint(protocol) not in known.get(cell.setting, set()):
             diff = _differences(protocol, published["protocols"][cell.setting])
             what = "; ".join(diff[:3]) + (f"; and {len(diff) - 3} more" if len(diff) > 3 else "") if diff else "a method default"
