@@ -28,6 +28,7 @@ import torch
 from bench_fedavg_mnist import PROTOCOL
 
 from fedistill.config import build_config
+from fedistill.engine.cohort_choice import MEASURED, record_measurements
 from fedistill.data.sources import load_dataset
 from fedistill.simulation import Simulation, build_federation
 
@@ -75,6 +76,9 @@ def main() -> None:
     ap.add_argument("--paths", default="sequential,cohort,sequential+resident,cohort+resident",
                     help="which paths (sequential, cohort, each with +resident), in this order")
     ap.add_argument("--json")
+    ap.add_argument("--record", action="store_true",
+                    help="also merge the rows into src/fedistill/engine/cohort_measured.json, which run.cohort=auto reads "
+                    "(a GPU's rows; commit the file)")
     args = ap.parse_args()
     dataset = load_dataset("mnist", args.data_dir)
     rows = []
@@ -87,9 +91,13 @@ def main() -> None:
             sps = f"{r['samples_per_second']:,.0f}" if r["samples_per_second"] else "-"
             print(f"| {method} | {path} | {r['seconds_per_round']:.3f} | {sps} | {r['final_accuracy']:.2f} | "
                   f"{r['padded_slots'] if r['padded_slots'] is not None else '-'} |", flush=True)  # fmt: skip
+    result = {"device": name, "precision": args.precision, "rounds": args.rounds, "clients": args.clients,
+              "date": time.strftime("%Y-%m-%d"), "rows": rows}  # fmt: skip
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": name, "precision": args.precision, "rounds": args.rounds, "rows": rows}, f, indent=2)
+            json.dump(result, f, indent=2)
+    if args.record:
+        print(f"{record_measurements(result)} rows in {MEASURED}")
 
 
 if __name__ == "__main__":

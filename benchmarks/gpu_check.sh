@@ -18,7 +18,8 @@
 #   bits as today's GPU path, eager, graphed and under a cohort; no host copy at the boundary; resume), in under a minute.
 #   cohort (issue 66): benchmarks/bench_gpu_cohort.py (FedAvg, FedProx, FedNTD, FedLMD, SCAFFOLD: the graphed
 #   sequential step against run.cohort = 10, each also with run.resident_weights: seconds a round, samples a second,
-#   accuracy) and profile_gpu_round.py's GPU busy share for the four paths.
+#   accuracy) and profile_gpu_round.py's GPU busy share for the four paths. Back home,
+#   `python -m fedistill.engine.cohort_choice OUT/cohort.json` records the rows that run.cohort=auto reads.
 # RUN_SET adds settings to the kill-and-resume runs, e.g. RUN_SET="--set run.cuda_graphs=true".
 set -u
 DATA=${DATA:-../shared/data}

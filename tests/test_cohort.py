@@ -267,3 +267,147 @@ def test_cohorts_group_clients_of_similar_step_counts(digits):
     grouped = padding(sorted(steps, reverse=True))
     assert sim.executor.padded_slots == grouped
     assert grouped < padding(steps), steps  # the round's order would pad more: the test can tell them apart
+
+
+# -------------------------------------------------------------------- run.cohort=auto (issue 66, item 5)
+def measured(device="NVIDIA H200", precision="fp32", method="fedavg", sequential=0.37, cohort=0.07, resident=False):
+    suffix = "+resident" if resident else ""
+    return [{"device": device, "precision": precision, "method": method, "path": path + suffix, "clients": 10,
+             "seconds_per_round": seconds} for path, seconds in (("sequential", sequential), ("cohort", cohort))]  # fmt: skip
+
+
+def test_auto_chooses_a_cohort_only_where_this_gpu_model_measured_one_faster():
+    """The rule of engine/cohort_choice.py, each branch: a faster cohort on this GPU model, precision and method
+    gives K = clients_per_round; a slower one, another GPU, another precision, another method, the resident paths
+    when the run is not resident, a CPU, or one client a round give the sequential path, each with its reason."""
+    from conftest import small_config
+
+    from fedistill.engine.cohort_choice import choose_cohort
+    from fedistill.simulation import make_algorithm
+
+    cfg = small_config(**{"algorithm.name": "fedavg", "run.cohort": "auto", "clients_per_round": 6})
+    fedavg = make_algorithm(cfg)
+    assert choose_cohort(cfg, fedavg, "NVIDIA H200", measured()) == (6, "measured faster: 0.070 s a round against 0.370 s sequential with graphs on NVIDIA H200")
+    size, why = choose_cohort(cfg, fedavg, "NVIDIA H200", measured(cohort=0.5))
+    assert size is None and why.startswith("measured slower")
+    for device, rows in [("NVIDIA H100 80GB HBM3", measured()), ("NVIDIA H200", measured(precision="bf16")),
+                         ("NVIDIA H200", measured(method="fedprox")), ("NVIDIA H200", measured(resident=True))]:  # fmt: skip
+        size, why = choose_cohort(cfg, fedavg, device, rows)
+        assert size is None and why.startswith("no measurement of fedavg on " + device), why
+    resident = small_config(**{"algorithm.name": "fedavg", "run.cohort": "auto", "clients_per_round": 6, "run.resident_weights": True})
+    assert choose_cohort(resident, fedavg, "NVIDIA H200", measured(resident=True))[0] == 6
+    assert choose_cohort(cfg, fedavg, "cpu", measured(device="cpu"))[0] is None  # a CPU: sequential, whatever a row says
+    one = small_config(**{"algorithm.name": "fedavg", "run.cohort": "auto", "clients_per_round": 1})
+    assert choose_cohort(one, fedavg, "NVIDIA H200", measured()) == (None, "one client a round: nothing to stack")
+
+
+def test_auto_keeps_a_method_whose_step_does_not_batch_sequential():
+    from conftest import small_config
+
+    from fedistill.engine.cohort_choice import choose_cohort
+    from fedistill.simulation import make_algorithm
+
+    for name in ("fedgen", "fedproto"):
+        cfg = small_config(**{"algorithm.name": name, "run.cohort": "auto"})
+        size, why = choose_cohort(cfg, make_algorithm(cfg), "NVIDIA H200", measured(method=name))
+        assert size is None and why.endswith("client step does not batch"), why
+
+
+def test_resolving_auto_turns_graphs_off_only_under_a_chosen_cohort(monkeypatch):
+    """resolve_cohort's config: K with the clients' CUDA graphs off when a cohort is chosen (the measured path), the
+    user's graphs kept when the sequential path is; a size or null passes through unchanged."""
+    from conftest import small_config
+
+    import fedistill.engine.cohort_choice as choice
+    from fedistill.simulation import make_algorithm
+
+    cfg = small_config(**{"algorithm.name": "fedavg", "run.cohort": "auto", "clients_per_round": 4})
+    graphed = cfg.model_copy(update={"run": cfg.run.model_copy(update={"cuda_graphs": True})})  # no CUDA here to validate
+    monkeypatch.setattr(choice, "load_measurements", lambda: measured())
+    chosen, line = choice.resolve_cohort(graphed, make_algorithm(cfg), "NVIDIA H200")
+    assert (chosen.run.cohort, chosen.run.cuda_graphs) == (4, False) and "CUDA graphs off" in line
+    kept, line = choice.resolve_cohort(graphed, make_algorithm(cfg), "NVIDIA A100-SXM4-40GB")
+    assert (kept.run.cohort, kept.run.cuda_graphs) == (None, True) and "one client after another" in line
+    fixed = small_config(**{"run.cohort": 3, "run.workers": 1})
+    assert choice.resolve_cohort(fixed, make_algorithm(fixed)) == (fixed, None)
+
+
+def test_a_run_with_auto_on_the_cpu_is_the_sequential_run_and_says_why(digits, tmp_path):
+    """On the CPU auto is the sequential path: the same numbers as run.cohort unset, no batched step, the choice
+    in the run's log; its checkpoint resumes exactly."""
+    from conftest import assert_resume_is_exact, without_timings
+
+    sequential_sim, expected = cohort_run("fedprox", None, digits)
+    auto_sim, history = cohort_run("fedprox", "auto", digits)
+    assert auto_sim.cohort_steps == 0 and auto_sim.cfg.run.cohort is None
+    assert auto_sim.cohort_choice == "run.cohort=auto: one client after another: on a CPU the batched step is slower than one client after another"
+    assert torch.equal(get_flat(sequential_sim.server.model), get_flat(auto_sim.server.model))
+    assert without_timings(history) == without_timings(expected)
+    assert_resume_is_exact(digits, tmp_path, {"name": "fedprox"}, **{"run.cohort": "auto"})
+
+
+def test_recorded_measurements_merge_and_are_what_auto_reads(tmp_path):
+    """bench_gpu_cohort.py --record: a new row of the same device, precision, method, path and size replaces the
+    old one, others stay; the shipped table parses."""
+    from fedistill.engine.cohort_choice import MEASURED, load_measurements, record_measurements
+
+    table = tmp_path / "measured.json"
+    bench = {"device": "NVIDIA H200", "precision": "fp32", "rounds": 4, "clients": 10, "date": "2026-12-07",
+             "rows": [{"method": "fedavg", "path": p, "seconds_per_round": s} for p, s in (("sequential", 0.37), ("cohort", 0.2))]}  # fmt: skip
+    assert record_measurements(bench, table) == 2
+    bench["rows"] = [{"method": "fedavg", "path": "cohort", "seconds_per_round": 0.07}, {"method": "fedprox", "path": "cohort", "seconds_per_round": 0.1}]
+    assert record_measurements(bench, table) == 3
+    rows = {(r["method"], r["path"]): r["seconds_per_round"] for r in load_measurements(table)}
+    assert rows == {("fedavg", "sequential"): 0.37, ("fedavg", "cohort"): 0.07, ("fedprox", "cohort"): 0.1}
+    assert isinstance(load_measurements(MEASURED), list)
+
+
+class _Answered(Exception):
+    pass
+
+
+def test_what_cohort_batches_says_before_a_round_is_what_cohort_term_answers_in_it(digits):
+    """run.cohort=auto decides with a method's ``cohort_batches()`` before any round; the executor asks
+    ``cohort_term`` in each. For every registered method (and FedProx's gradient-hook form, a gradient clip, two
+    combinations) the first client's ``cohort_term`` is not None exactly when ``cohort_batches()`` said so."""
+    from conftest import small_config
+
+    from fedistill.engine.cohort_choice import batches_clients
+    from fedistill.errors import ConfigError
+    from fedistill.registry import ALGORITHMS
+    from fedistill.simulation import Simulation
+
+    settings = [{"algorithm.name": name} for name in ALGORITHMS.names()] + [
+        {"algorithm.name": "fedprox", "algorithm.implementation": "grad_hook"},
+        {"algorithm.name": "fedntd", "algorithm.grad_clip": 1.0},
+        {"algorithm.name": "fedlmd", "algorithm.plus": {"fedprox": {"mu": 0.01}}},
+        {"algorithm.name": "fedavg", "algorithm.plus": {"fedgen": {}}},
+    ]
+    asked = {}
+    for setting in settings:
+        try:
+            sim = Simulation(small_config(**{"run.workers": 1, "run.cohort": 2, "rounds": 1, **setting}), digits)
+        except ConfigError:  # a method that needs a model group or a shared model: not one cohorts batch
+            assert setting["algorithm.name"] not in ("fedavg", "fedprox", "fedntd", "fedlmd")
+            continue
+        algorithm = sim.client_runtime.algorithm
+        said = batches_clients(algorithm)
+        if getattr(algorithm, "cohort_term", None) is None or getattr(algorithm, "personal_model", "global") == "local":
+            assert not said  # the executor never asks it
+            continue
+        answers, original = [], algorithm.cohort_term
+
+        def spy(client, msg, answers=answers, original=original):
+            answers.append(original(client, msg) is not None)
+            raise _Answered
+
+        algorithm.cohort_term = spy
+        with pytest.raises(_Answered):
+            sim.run_round(1)
+        sim.close()
+        asked[str(setting)] = answers[0]
+        assert answers == [said], setting
+    batched = {name for name, answer in asked.items() if answer}
+    assert {"{'algorithm.name': 'fedavg'}", "{'algorithm.name': 'scaffold'}", "{'algorithm.name': 'moon'}"} <= batched
+    assert "{'algorithm.name': 'fedgen'}" in asked and not asked["{'algorithm.name': 'fedgen'}"]
+    assert not asked[str(settings[-4])] and not asked[str(settings[-3])] and asked[str(settings[-2])] and not asked[str(settings[-1])]

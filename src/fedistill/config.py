@@ -14,7 +14,7 @@ import copy
 import re
 from importlib import resources
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
@@ -263,12 +263,13 @@ class RunConfig(_Section):
         "graph_key), batch making included, from a captured CUDA graph: one launch per step instead of about a hundred "
         "(needs a cuda device)",
     )
-    cohort: int | None = Field(
+    cohort: Annotated[int, Field(ge=2)] | Literal["auto"] | None = Field(
         None,
-        ge=2,
         description="train a round's clients of one architecture K at a time as one batched step (engine/cohort.py; "
         "methods that declare a batchable client step, models without BatchNorm statistics; in this process). A GPU "
-        "lever: on a CPU the batched step is slower; unset = one client after another",
+        "lever: on a CPU the batched step is slower; unset = one client after another; auto = cohorts of the round's "
+        "clients where a measurement on this GPU model found them faster than the graphed sequential step "
+        "(engine/cohort_choice.py), one client after another elsewhere",
     )
     resident_weights: bool = Field(
         False,
@@ -325,6 +326,19 @@ class RunConfig(_Section):
             raise ValueError(f"got {value!r}; give auto (one process per free core, planned every round) or a whole number >= 1")
         return count
 
+    @field_validator("cohort", mode="before")
+    @classmethod
+    def _cohort_size_or_auto(cls, value: Any) -> Any:
+        if value is None or value == "auto":
+            return value
+        try:
+            size = int(str(value).strip()) if not isinstance(value, (bool, float)) else None
+        except ValueError:
+            size = None
+        if size is None or size < 2:
+            raise ValueError(f"got {value!r}; give a whole number >= 2 (clients per batched step), auto, or null (one client after another)")
+        return size
+
     @field_validator("device")
     @classmethod
     def _known_device(cls, value: str) -> str:
@@ -335,7 +349,7 @@ class RunConfig(_Section):
     def _graphs_need_cuda(self) -> "RunConfig":
         if self.cuda_graphs and not self.device.startswith("cuda"):
             raise ValueError(f"cuda_graphs needs a CUDA device, and run.device is {self.device!r}: set run.device=cuda or drop run.cuda_graphs")
-        if self.cohort is not None and self.cuda_graphs:
+        if isinstance(self.cohort, int) and self.cuda_graphs:  # auto: graphs for the sequential path it may choose
             raise ValueError("cohort: a cohort step is one batched call per step already; drop run.cuda_graphs or run.cohort")
         if self.cohort is not None and self.workers not in ("auto", 1):
             raise ValueError(f"cohort: a cohort trains in this process; run.workers is {self.workers}: set run.workers=1")

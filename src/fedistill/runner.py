@@ -172,6 +172,8 @@ def run_experiment(
     log.header(what, markup=f"[bold]{escape(cfg.algorithm.display_name())}[/]{escape(what[len(cfg.algorithm.display_name()):])}")
     if sim.state.round < cfg.rounds:
         log.note(f"cores: {sim.core_plan()}")
+        if sim.cohort_choice:
+            log.note(sim.cohort_choice)
     # Every numeric per-round metric, under tensorboard/ in the run directory.
     board = writer_class(log_dir=str(run_dir.path / "tensorboard")) if writer_class is not None else None
 

@@ -236,6 +236,9 @@ class Composite(FedAvg):
     def reply_extras(self, client: ClientContext, info: RoundInfo, msg: Message, result: LocalResult) -> dict[str, Any]:
         return self._merge("reply", [p.reply_extras(client, info, msg, result) for p in self.parts])
 
+    def cohort_batches(self) -> bool:
+        return all(getattr(part, "cohort_batches", lambda: False)() for part in self.parts)
+
     def cohort_term(self, client: ClientContext, msg: Message) -> tuple[Any, dict[str, torch.Tensor]] | None:
         """The parts' cohort terms together (engine/cohort.py), as the sequential hooks combine them: loss terms
         summed in the listed order, gradient offsets added, logit scales multiplied (each part's transform is a

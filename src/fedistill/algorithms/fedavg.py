@@ -217,11 +217,20 @@ class FedAvg(Algorithm):
         cannot be batched, so that the client trains sequentially. FedAvg's plain step batches; a method that adds
         a loss term, logit transform or gradient correction, or a gradient clip, does not unless it says how
         (FedProx does)."""
+        return (None, {}) if self.cohort_batches() else None
+
+    def cohort_batches(self) -> bool:
+        """Whether this method's client step, as configured, batches in a cohort: what :meth:`cohort_term` answers
+        in every round, known before the first (``run.cohort=auto`` decides with it, engine/cohort_choice.py;
+        tests/test_cohort.py checks the two agree for every method). FedAvg's plain step does, and a method that
+        says how its step batches (overrides :meth:`cohort_term`); a gradient clip never does, nor a method that
+        adds a loss term, logit transform, gradient correction or a step of its own without saying how."""
+        if self.params.grad_clip is not None:
+            return False
+        if type(self).cohort_term is not FedAvg.cohort_term:
+            return True
         hooks = ("extra_loss", "logit_transform", "grad_correction", "local_update")  # local_update: a step of its own
-        adds = [hook for hook in hooks if getattr(type(self), hook) is not getattr(FedAvg, hook)]
-        if adds or self.params.grad_clip is not None or self.needs_features:
-            return None
-        return None, {}
+        return not self.needs_features and all(getattr(type(self), hook) is getattr(FedAvg, hook) for hook in hooks)
 
     def logit_transform(self, client: ClientContext) -> Callable[[torch.Tensor], torch.Tensor] | None:
         """A transform of the logits the client's CE sees (FedRS); None for FedAvg."""

@@ -64,6 +64,9 @@ class FedProx(FedAvg):
             return None
         return cohort_proximal_term(self.params.mu), {"global": flat_parameters(client.model)}
 
+    def cohort_batches(self) -> bool:
+        return super().cohort_batches() and self.params.implementation == "loss"
+
     def graph_key(self, client: ClientContext, msg: Message) -> tuple:
         return ()  # anchors through client.fixed; μ and the implementation are the same for every client
 

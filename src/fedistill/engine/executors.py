@@ -432,6 +432,8 @@ def make_executor(
     ``runtime_factory(cfg, dataset, train_indices, test_indices)`` builds a worker's client runtime (picklable: a
     class with its algorithm factory bound)."""
     check_workers(cfg)
+    if cfg.run.cohort == "auto":  # a defect of the caller, not of the user's config
+        raise ValueError("run.cohort=auto is chosen once per run before the executor (engine/cohort_choice.resolve_cohort)")
     if cfg.run.workers == "auto" and cfg.run.cohort is None:
         if planner is None:
             raise ValueError("run.workers=auto needs the run's CorePlanner")

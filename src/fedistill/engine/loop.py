@@ -20,7 +20,8 @@ from ..models.flat import weights_resident
 from ..protocol import Algorithm, Message, RoundInfo, ServerContext, declares_resident_weights
 from .client import AlgorithmFactory, ClientRuntime
 from .cores import POOL_MIN_ROUND_FLOPS, CorePlanner, client_threads, count, usable_cores
-from .executors import AdaptiveExecutor, ProcessPoolExecutor, SequentialExecutor, make_executor, unguarded_main_script
+from .cohort_choice import resolve_cohort
+from .executors import AdaptiveExecutor, CohortExecutor, ProcessPoolExecutor, SequentialExecutor, make_executor, unguarded_main_script
 from .federation import Federation, build_federation
 from .run_setup import apply_process_settings, round_info, round_training_flops
 from .server import RunState, ServerRuntime
@@ -42,6 +43,10 @@ class RoundLoop:
         *,
         algorithm_factory: AlgorithmFactory,
     ) -> None:
+        algorithm = algorithm_factory(cfg)
+        # run.cohort=auto becomes a size or the sequential path here, once (engine/cohort_choice.py): the server,
+        # the clients and the checkpoint's numerics all see the choice, the run header says why.
+        cfg, self.cohort_choice = resolve_cohort(cfg, algorithm)
         self.cfg = cfg
         self.on_round = on_round
         # Called with round 1's FLOPs when set: :meth:`run` then runs round 1 under the FLOP counter (the
@@ -60,7 +65,7 @@ class RoundLoop:
             client_test_indices=fed.test_indices,
             client_evaluator=self._evaluate_on_clients,
             partition_digest=fed.partition_digest(),
-            algorithm=algorithm_factory(cfg),
+            algorithm=algorithm,
         )
         self.client_runtime = ClientRuntime(
             cfg,
@@ -99,6 +104,8 @@ class RoundLoop:
         (engine/cores.py; round 1 uses this plan, later rounds their own), a fixed count says so."""
         executor = self.executor
         threads = count(client_threads(self.cfg), "thread")
+        if isinstance(executor, CohortExecutor):
+            return f"run.cohort={executor.size}: the round's clients of one architecture {executor.size} at a time as one batched step, in this process"
         if isinstance(executor, AdaptiveExecutor):
             planner = executor.planner
             return planner.plan(wanted=self.cfg.clients_per_round).describe() + (" (planned every round)" if planner.max_processes > 1 else "")

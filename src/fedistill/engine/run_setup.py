@@ -89,7 +89,7 @@ def run_numerics(cfg: Config) -> dict[str, Any]:
     # still compare equal.
     if cfg.run.client_state_dtype != "fp32":
         numerics["client_state_dtype"] = cfg.run.client_state_dtype
-    if cfg.run.cohort is not None:  # a cohort step sums in another order: the same math, other last bits
+    if isinstance(cfg.run.cohort, int):  # a cohort step sums in another order: the same math, other last bits
         numerics["cohort"] = cfg.run.cohort
     return numerics
 

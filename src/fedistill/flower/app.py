@@ -273,7 +273,7 @@ def run_server(grid: Grid, cfg: Config, settings: FlowerSettings) -> dict[str, A
     if cfg.run.resident_weights:  # refused, not ignored: a Flower Message leaves the process, so it is on the host
         raise ConfigError("run.resident_weights: the weights stay on one process's device in the in-process simulation; "
                           "on Flower every Message crosses the network from the host, so drop run.resident_weights")  # fmt: skip
-    if cfg.run.cohort is not None:  # refused, not ignored: Flower trains each client on its own node
+    if isinstance(cfg.run.cohort, int):  # refused, not ignored: Flower trains each client on its own node (auto: sequential)
         raise ConfigError("run.cohort: cohort training stacks clients in one process (the in-process simulation); "
                           "on Flower each client trains on its node, so unset run.cohort")  # fmt: skip
     if settings.resume:
