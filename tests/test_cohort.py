@@ -366,12 +366,14 @@ class _Answered(Exception):
     pass
 
 
-def test_what_cohort_batches_says_before_a_round_is_what_cohort_term_answers_in_it(digits):
-    """run.cohort=auto decides with a method's ``cohort_batches()`` before any round; the executor asks
-    ``cohort_term`` in each. For every registered method (and FedProx's gradient-hook form, a gradient clip, two
-    combinations) the first client's ``cohort_term`` is not None exactly when ``cohort_batches()`` said so."""
+def test_what_cohort_batches_says_before_a_round_is_what_cohort_term_answers_in_it(digits, monkeypatch):
+    """run.cohort=auto and the cohort executor decide with a method's ``cohort_batches()`` before a round; a cohort
+    is planned with ``cohort_term`` in it. For every registered method (and FedProx's gradient-hook form, a gradient
+    clip, two combinations) the first client's ``cohort_term`` is not None exactly when ``cohort_batches()`` said
+    so (the executor is made to ask every method here)."""
     from conftest import small_config
 
+    import fedistill.engine.cohort_choice as choice
     from fedistill.engine.cohort_choice import batches_clients
     from fedistill.errors import ConfigError
     from fedistill.registry import ALGORITHMS
@@ -384,6 +386,7 @@ def test_what_cohort_batches_says_before_a_round_is_what_cohort_term_answers_in_
         {"algorithm.name": "fedavg", "algorithm.plus": {"fedgen": {}}},
     ]
     asked = {}
+    monkeypatch.setattr(choice, "batches_clients", lambda algorithm: True)  # the executor asks cohort_term always
     for setting in settings:
         try:
             sim = Simulation(small_config(**{"run.workers": 1, "run.cohort": 2, "rounds": 1, **setting}), digits)

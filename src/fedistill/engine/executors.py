@@ -85,9 +85,12 @@ class CohortExecutor(SequentialExecutor):
     def run(self, tasks: Sequence[Task]) -> list[Result]:
         runtime = self.client_runtime
         algorithm = runtime.algorithm
-        # A method without the hook, or one whose clients score their own model right after training (personal
-        # model "local": ClientRuntime.update does that per client), trains sequentially.
-        if getattr(algorithm, "cohort_term", None) is None or getattr(algorithm, "personal_model", "global") == "local":
+        # A method whose step, as configured, does not batch (FedGen, a gradient clip), or one whose clients score
+        # their own model right after training (personal model "local": ClientRuntime.update does that per
+        # client), trains sequentially: decided for the round, so its clients load their weights once.
+        from .cohort_choice import batches_clients
+
+        if not batches_clients(algorithm):
             return super().run(tasks)
         groups: dict[str, list[int]] = {}
         for position, (cid, _, _, _) in enumerate(tasks):
