@@ -250,6 +250,18 @@ class EvalConfig(_Section):
     )
 
 
+def whole_number(value: Any, minimum: int, expected: str) -> int:
+    """``value`` (an int or its text, as ``--set`` gives it) as an int of at least ``minimum``; else a ValueError
+    that says what was got and ``expected``."""
+    try:
+        number = int(str(value).strip()) if not isinstance(value, (bool, float)) else None
+    except ValueError:
+        number = None
+    if number is None or number < minimum:
+        raise ValueError(f"got {value!r}; {expected}")
+    return number
+
+
 class RunConfig(_Section):
     out_dir: str = "runs"
     name: str | None = None
@@ -318,26 +330,14 @@ class RunConfig(_Section):
     def _auto_or_count(cls, value: Any) -> Any:
         if value == "auto":
             return value
-        try:
-            count = int(str(value).strip()) if not isinstance(value, (bool, float)) else None
-        except ValueError:
-            count = None
-        if count is None or count < 1:
-            raise ValueError(f"got {value!r}; give auto (one process per free core, planned every round) or a whole number >= 1")
-        return count
+        return whole_number(value, 1, "give auto (one process per free core, planned every round) or a whole number >= 1")
 
     @field_validator("cohort", mode="before")
     @classmethod
     def _cohort_size_or_auto(cls, value: Any) -> Any:
         if value is None or value == "auto":
             return value
-        try:
-            size = int(str(value).strip()) if not isinstance(value, (bool, float)) else None
-        except ValueError:
-            size = None
-        if size is None or size < 2:
-            raise ValueError(f"got {value!r}; give a whole number >= 2 (clients per batched step), auto, or null (one client after another)")
-        return size
+        return whole_number(value, 2, "give a whole number >= 2 (clients per batched step), auto, or null (one client after another)")
 
     @field_validator("device")
     @classmethod
