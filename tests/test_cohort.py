@@ -414,3 +414,23 @@ def test_what_cohort_batches_says_before_a_round_is_what_cohort_term_answers_in_
     assert {"{'algorithm.name': 'fedavg'}", "{'algorithm.name': 'scaffold'}", "{'algorithm.name': 'moon'}"} <= batched
     assert "{'algorithm.name': 'fedgen'}" in asked and not asked["{'algorithm.name': 'fedgen'}"]
     assert not asked[str(settings[-4])] and not asked[str(settings[-3])] and asked[str(settings[-2])] and not asked[str(settings[-1])]
+
+
+def test_a_run_where_auto_chooses_a_cohort_is_the_cohort_run(digits, monkeypatch):
+    """The chosen branch end to end, on the CPU with a measured GPU pretended: the run trains as ``run.cohort = K``
+    (K its clients a round) would, bit for bit, its log line names the measurement, its numerics record K."""
+    from conftest import without_timings
+
+    import fedistill.engine.cohort_choice as choice
+    from fedistill.engine.executors import CohortExecutor
+    from fedistill.engine.run_setup import run_numerics
+
+    fixed_sim, expected = cohort_run("fedprox", 3, digits)
+    monkeypatch.setattr(choice, "device_model", lambda device: "NVIDIA H200")
+    monkeypatch.setattr(choice, "load_measurements", lambda: measured(method="fedprox"))
+    auto_sim, history = cohort_run("fedprox", "auto", digits)
+    assert isinstance(auto_sim.executor, CohortExecutor) and auto_sim.executor.size == auto_sim.cfg.clients_per_round == 3
+    assert auto_sim.cohort_choice.startswith("run.cohort=auto: cohorts of 3 clients: measured faster: 0.070 s")
+    assert run_numerics(auto_sim.cfg)["cohort"] == 3
+    assert torch.equal(get_flat(fixed_sim.server.model), get_flat(auto_sim.server.model))
+    assert without_timings(history) == without_timings(expected)
