@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 
 import torch
@@ -80,6 +81,8 @@ def main() -> None:
                     help="also merge the rows into src/fedistill/engine/cohort_measured.json, which run.cohort=auto reads "
                     "(a GPU's rows; commit the file)")
     args = ap.parse_args()
+    if args.rounds < 2:
+        ap.error("--rounds must be 2 or more: round 1 (allocations, graph capture) is left out of the timing")
     dataset = load_dataset("mnist", args.data_dir)
     rows = []
     name = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
@@ -97,7 +100,10 @@ def main() -> None:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
     if args.record:
-        print(f"{record_measurements(result)} rows in {MEASURED}")
+        try:
+            print(f"{record_measurements(result)} rows in {MEASURED}")
+        except ValueError as error:
+            sys.exit(f"not recorded: {error}")
 
 
 if __name__ == "__main__":

@@ -362,6 +362,41 @@ def test_recorded_measurements_merge_and_are_what_auto_reads(tmp_path):
     assert isinstance(load_measurements(MEASURED), list)
 
 
+def test_a_measurement_auto_could_not_choose_by_is_refused_and_nothing_is_written(tmp_path, capsys):
+    """A CPU's rows, a one-round bench (nothing timed), a NaN or a failed row: refused in one line, the table as it
+    was. A NaN in the table (edited by hand) reads as no measurement, not as "faster" (NaN >= x is False)."""
+    from conftest import small_config
+
+    from fedistill.engine.cohort_choice import choose_cohort, main, record_measurements
+    from fedistill.simulation import make_algorithm
+
+    table = tmp_path / "measured.json"
+    good = {"device": "NVIDIA H200", "precision": "fp32", "rounds": 4, "clients": 10,
+            "rows": [{"method": "fedavg", "path": "sequential", "seconds_per_round": 0.37}]}  # fmt: skip
+    record_measurements(good, table)
+    before = table.read_text()
+    bad = [({**good, "device": "cpu"}, "CPU"), ({**good, "rounds": 1}, "warm-up"),
+           ({**good, "rows": [{"method": "fedavg", "path": "cohort", "seconds_per_round": float("nan")}]}, "fedavg cohort"),
+           ({**good, "rows": [{"method": "fedprox", "path": "cohort", "seconds_per_round": None}]}, "fedprox cohort"),
+           ({"rows": []}, "no device")]  # fmt: skip
+    for bench, says in bad:
+        with pytest.raises(ValueError, match=says):
+            record_measurements(bench, table)
+    assert table.read_text() == before
+    cfg = small_config(**{"algorithm.name": "fedavg", "run.cohort": "auto", "clients_per_round": 6})
+    size, why = choose_cohort(cfg, make_algorithm(cfg), "NVIDIA H200", measured(cohort=float("nan")))
+    assert size is None and why.startswith("no measurement"), why
+    for argv, says in (([str(tmp_path / "absent.json")], "cannot read"), ([str(_write(tmp_path / "cut.json", '{"device": "H'))], "not JSON")):
+        with pytest.raises(SystemExit) as stop:
+            main(argv)
+        assert stop.value.code == 2 and says in capsys.readouterr().err
+
+
+def _write(path, text):
+    path.write_text(text)
+    return path
+
+
 class _Answered(Exception):
     pass
 

@@ -25,6 +25,7 @@ with the sequential path alone, so for one the choice is yours: set ``run.cohort
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +43,17 @@ def record_measurements(bench: dict[str, Any], path: Path = MEASURED) -> int:
     """Merge a ``bench_gpu_cohort.py --json`` result into the table at ``path``: a row of the same device,
     precision, method, path and clients replaces the older one. Returns the rows now in the table."""
     keep = ("method", "path", "seconds_per_round", "samples_per_second", "final_accuracy", "padded_slots")
+    missing = [k for k in ("device", "precision", "clients", "rounds", "rows") if k not in bench]
+    if missing:
+        raise ValueError(f"not a benchmarks/bench_gpu_cohort.py --json result: it has no {', '.join(missing)}")
+    if bench["device"] == "cpu":
+        raise ValueError("a CPU measurement: run.cohort=auto never chooses cohorts on a CPU, so only a GPU's rows are recorded")
+    if bench["rounds"] < 2:
+        # The first round (allocations, autotuning, graph capture) is left out of the timing: one round times nothing.
+        raise ValueError(f"{bench['rounds']} round timed nothing (round 1 is the warm-up): measure with --rounds 2 or more")
+    unusable = [f"{row.get('method')} {row.get('path')}" for row in bench["rows"] if not _finite_seconds(row.get("seconds_per_round"))]
+    if unusable:
+        raise ValueError(f"no finite seconds a round for {', '.join(unusable)}: a failed or untimed row cannot be chosen by")
     new = [
         {"device": bench["device"], "precision": bench["precision"], "clients": bench["clients"], "rounds": bench["rounds"],
          "date": bench.get("date"), **{k: row.get(k) for k in keep}}
@@ -58,6 +70,10 @@ def record_measurements(bench: dict[str, Any], path: Path = MEASURED) -> int:
              "benchmarks/bench_gpu_cohort.py --record; read by run.cohort=auto (engine/cohort_choice.py).")  # fmt: skip
     path.write_text(json.dumps({"about": about, "measurements": rows}, indent=1) + "\n")
     return len(rows)
+
+
+def _finite_seconds(value: Any) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value) and value > 0
 
 
 def batches_clients(algorithm: Any) -> bool:
@@ -94,7 +110,8 @@ def choose_cohort(
 
     def seconds(path: str) -> float | None:
         found = [r for r in rows if (r["device"], r["precision"], r["method"], r["path"]) == (device, cfg.run.precision, method, path + suffix)]
-        return float(found[-1]["seconds_per_round"]) if found else None
+        # A table edited by hand may still hold a NaN, and NaN >= x is False: it would read as "faster".
+        return float(found[-1]["seconds_per_round"]) if found and _finite_seconds(found[-1]["seconds_per_round"]) else None
 
     sequential, cohort = seconds("sequential"), seconds("cohort")
     if sequential is None or cohort is None:
@@ -118,9 +135,27 @@ def resolve_cohort(cfg: Any, algorithm: Any, device: str | None = None) -> tuple
     return cfg.model_copy(update={"run": run}), f"run.cohort=auto: {chosen}{graphs}: {why}"
 
 
-if __name__ == "__main__":  # python -m fedistill.engine.cohort_choice GPU_OUT/cohort.json: record a lent GPU's rows
-    import sys
+def main(argv: list[str] | None = None) -> int:
+    """``python -m fedistill.engine.cohort_choice GPU_OUT/cohort.json``: record a lent GPU's rows in the table."""
+    import argparse
 
-    if len(sys.argv) != 2:
-        sys.exit("usage: python -m fedistill.engine.cohort_choice COHORT_JSON (benchmarks/bench_gpu_cohort.py --json)")
-    print(f"{record_measurements(json.loads(Path(sys.argv[1]).read_text()))} rows in {MEASURED}")
+    parser = argparse.ArgumentParser(prog="python -m fedistill.engine.cohort_choice",
+                                     description="Record a lent GPU's benchmarks/bench_gpu_cohort.py --json result in the "
+                                                 "table that run.cohort=auto reads.")  # fmt: skip
+    parser.add_argument("cohort_json", type=Path, help="the --json file of benchmarks/bench_gpu_cohort.py (gpu_check.sh: OUT/cohort.json)")
+    args = parser.parse_args(argv)
+    try:
+        bench = json.loads(args.cohort_json.read_text())
+        count = record_measurements(bench)
+    except OSError as error:
+        parser.exit(2, f"error: cannot read {args.cohort_json}: {error.strerror or error}\n")
+    except json.JSONDecodeError as error:
+        parser.exit(2, f"error: {args.cohort_json} is not JSON ({error.msg}, line {error.lineno}): a truncated copy?\n")
+    except ValueError as error:
+        parser.exit(2, f"error: {args.cohort_json}: {error}; nothing recorded\n")
+    print(f"{count} rows in {MEASURED}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
