@@ -246,3 +246,60 @@ def test_update_published_leaves_out_methods_the_published_cells_do_not_have(pub
     rows = json.loads((out / "tiny-rank" / "leaderboard.json").read_text())
     assert sorted(r["method"] for r in rows) == ["FedAvg", "FedAvgM", "FedProx"]
     assert {r["method"] for r in json.loads((out / "tiny-rank" / CELLS_FILE).read_text())["cells"]} == {"FedAvg", "FedAvgM", "FedProx"}
+
+
+HETERO_SUITE = {
+    "name": "tiny-hetero-rank",
+    "title": "tiny heterogeneous-model ranking suite on digits",
+    "protocol": {
+        "rounds": 2, "clients_per_round": 4, "dataset": {"name": "digits"},
+        "model": {"clients": ["digits_cnn", "logistic"]},
+        "partition": {"num_clients": 4, "seed": 3, "scheme": "lda", "alpha": 0.3, "per_client_test": True},
+        "local": {"epochs": 1, "batch_size": 32, "lr": 0.05}, "run": {"figures": False},
+    },
+    "settings": {"lda": {"label": "digits LDA 0.3, two architectures", "config": {}}},
+    "methods": {
+        "FedProto": {"config": {"algorithm": {"name": "fedproto"}}},
+        "FD": {"config": {"algorithm": {"name": "fd"}}},
+    },
+    "seeds": [0, 1],
+}  # fmt: skip
+PROTO_TWIN = '''
+import fedistill
+from fedistill.algorithms.fedproto import FedProto
+
+
+@fedistill.register_algorithm("fedproto_twin", help="FedProto under another name")
+class FedProtoTwin(FedProto):
+    pass
+'''
+
+
+def test_a_heterogeneous_plugin_is_ranked_on_the_clients_own_test_splits(tmp_path):
+    """Issue 65: ``bench fd-hetero-* --plugin FILE --methods NAME`` on a suite whose clients hold two architectures:
+    a plugin that is FedProto lands on FedProto's published cells (a tie, +0.00 on every seed), and the verdict
+    against FD is the paired difference of the published per-client-split accuracies, computed here."""
+    suite_file = _write(tmp_path, "tiny-hetero-rank.yaml", HETERO_SUITE)
+    bench(load_suite(str(suite_file)), tmp_path / "published", overrides=["run.threads=1"])
+    cells = tmp_path / "published" / "tiny-hetero-rank" / CELLS_FILE
+    plugin = tmp_path / "proto_twin.py"
+    plugin.write_text(PROTO_TWIN)
+    out = tmp_path / "mine"
+    done = subprocess.run(
+        [sys.executable, "-c", "from fedistill.cli import main; raise SystemExit(main())", "bench", str(suite_file),
+         "--plugin", str(plugin), "--methods", "fedproto_twin", "--published", str(cells), "--out", str(out),
+         "--set", "run.threads=1"],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    ranking = json.loads((out / "tiny-hetero-rank" / "ranking.json").read_text())
+    verdicts = {v["against"]: v for v in ranking["verdicts"]}
+    assert verdicts["FedProto"]["symbol"] == "~" and verdicts["FedProto"]["mean"] == 0.0
+    data = json.loads(cells.read_text())
+    final = {(r["method"], r["seed"]): r["final"] for r in data["cells"]}
+    differences = [final[("FedProto", s)] - final[("FD", s)] for s in (0, 1)]
+    assert verdicts["FD"]["mean"] == pytest.approx(statistics.fmean(differences))
+    # the metric is the clients' own splits: a cell's final is its last round's mean over the clients' accuracies
+    run = out / "tiny-hetero-rank" / "lda" / "fedproto_twin" / "seed0"
+    last = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()][-1]
+    assert last["personal_accuracy"] == final[("FedProto", 0)]
