@@ -3,7 +3,8 @@ next one continues it instead of starting again.
 
 A finished run is read back by ``fedistill reproduce`` from three small files of its directory: ``config.yaml``
 (checked against the preset, so a changed preset is refused), ``metrics.jsonl`` (one line per round) and
-``summary.json`` (``finished`` or ``diverged``); ``environment.json`` says where it ran. The checkpoint and the
+``summary.json`` (``finished`` or ``diverged``); ``environment.json`` says where it ran, and a ``fedistill bench``
+cell's ``flops.json`` its count of one round. The checkpoint and the
 plots are left behind: a finished run is never resumed. This copies those files of every finished run under
 SOURCE to the same place under DEST, which works both ways:
 
@@ -27,7 +28,9 @@ from pathlib import Path
 from fedistill.errors import ConfigError
 from fedistill.runs import comparable_config, read_saved
 
-KEPT = ("config.yaml", "metrics.jsonl", "summary.json", "environment.json")
+# flops.json: a bench cell's count of one round (studies/bench_rank.py FLOPS_FILE); without it the next bench
+# counts the round again.
+KEPT = ("config.yaml", "metrics.jsonl", "summary.json", "environment.json", "flops.json")
 
 
 def finished(run: Path) -> bool:

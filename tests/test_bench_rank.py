@@ -303,3 +303,29 @@ def test_a_heterogeneous_plugin_is_ranked_on_the_clients_own_test_splits(tmp_pat
     run = out / "tiny-hetero-rank" / "lda" / "fedproto_twin" / "seed0"
     last = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()][-1]
     assert last["personal_accuracy"] == final[("FedProto", 0)]
+
+
+def test_kept_cells_are_a_finished_bench_on_another_machine(published, tmp_path, monkeypatch):
+    """benchmarks/keep_finished_runs.py on a bench's cells (a suite longer than one session): the kept files,
+    flops.json included, are finished cells to the next bench, which trains nothing and counts no FLOPs again,
+    and writes the same leaderboard rows."""
+    import importlib.util
+
+    import fedistill.studies.bench as bench_module
+
+    spec = importlib.util.spec_from_file_location("keep_finished_runs", Path(__file__).resolve().parents[1] / "benchmarks" / "keep_finished_runs.py")
+    keeper = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(keeper)
+    moved = tmp_path / "kept" / "tiny-rank"
+    copied, _, _ = keeper.keep(published, moved)
+    assert copied == 9 and len(list(moved.rglob("flops.json"))) == 3 and not list(moved.rglob("checkpoint.pt"))
+
+    def no_training(*args, **kwargs):
+        raise AssertionError("a kept cell was run again")
+
+    monkeypatch.setattr(bench_module, "_run_cell", no_training)
+    rows = bench(load_suite(str(_write(tmp_path, "tiny-rank.yaml", SUITE))), tmp_path / "kept", overrides=["run.threads=1"])
+    again = json.loads((moved / CELLS_FILE).read_text())["cells"]
+    first = json.loads((published / CELLS_FILE).read_text())["cells"]
+    assert [(r["method"], r["seed"], r["accuracy"]) for r in again] == [(r["method"], r["seed"], r["accuracy"]) for r in first]
+    assert rows
