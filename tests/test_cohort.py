@@ -386,15 +386,11 @@ def test_a_measurement_auto_could_not_choose_by_is_refused_and_nothing_is_writte
     cfg = small_config(**{"algorithm.name": "fedavg", "run.cohort": "auto", "clients_per_round": 6})
     size, why = choose_cohort(cfg, make_algorithm(cfg), "NVIDIA H200", measured(cohort=float("nan")))
     assert size is None and why.startswith("no measurement"), why
-    for argv, says in (([str(tmp_path / "absent.json")], "cannot read"), ([str(_write(tmp_path / "cut.json", '{"device": "H'))], "not JSON")):
+    (tmp_path / "cut.json").write_text('{"device": "H')
+    for argv, says in (([str(tmp_path / "absent.json")], "cannot read"), ([str(tmp_path / "cut.json")], "not JSON")):
         with pytest.raises(SystemExit) as stop:
             main(argv)
         assert stop.value.code == 2 and says in capsys.readouterr().err
-
-
-def _write(path, text):
-    path.write_text(text)
-    return path
 
 
 class _Answered(Exception):
