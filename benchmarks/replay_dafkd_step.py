@@ -7,7 +7,8 @@ of ŵ and of the model after the step, the predicted-class histogram after it, a
 learn: the teachers' target on the generated batch (its top class share and its batch-mean class distribution at
 T = 1, which a student that copies it also learns as a prior on real images). It also scores that target, and each
 teacher alone, on the real test images, and how often the student after the step predicts what the target does
-there (``target_accuracy_real``, ``teachers_accuracy_real``, ``student_agrees_with_target_real``).
+there (``target_accuracy_real``, ``teachers_accuracy_real``, ``student_agrees_with_target_real``), and the
+per-class test accuracy of ŵ and of the model after the step.
 
     PYTHONPATH=src:benchmarks python benchmarks/replay_dafkd_step.py DUMP.pt \\
         --variant default: --variant probs:algorithm.ensemble_space=probs [--out rows.jsonl]
@@ -40,6 +41,11 @@ def predict(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
         out = torch.cat([model(xb).float().argmax(1) for xb in x.split(500)])
     model.train(was)
     return out
+
+
+def class_accuracies(predicted: torch.Tensor, labels: torch.Tensor) -> list[float]:
+    """Per-class test accuracy (%), one decimal: which classes a server step keeps and which it loses."""
+    return [round(100.0 * float((predicted[labels == c] == c).float().mean()), 1) for c in range(int(labels.max()) + 1)]
 
 
 def teacher_accuracies(algorithm, server, replies: list[Message], x: torch.Tensor, y: torch.Tensor) -> list[float]:
@@ -101,7 +107,9 @@ def replay(dump: dict, overrides: list[str], save_student: str | None = None, in
     real_pred = real_target.argmax(1)
     row["target_accuracy_real"] = 100.0 * float((real_pred == real_y).float().mean())
     row["teachers_accuracy_real"] = [round(a, 1) for a in teacher_accuracies(algorithm, server, replies, real_x, real_y)]
+    row["class_accuracy_aggregate"] = class_accuracies(predict(server.model, real_x), real_y)
     metrics = algorithm.refine(server, info, replies, dump["cids"])
+    row["class_accuracy_after"] = class_accuracies(predict(server.model, real_x), real_y)
     row["student_agrees_with_target_real"] = 100.0 * float((predict(server.model, real_x) == real_pred).float().mean())
     acc, loss, predictions = runtime.evaluate_global_with_predictions()  # predictions: the class histogram
     histogram = torch.as_tensor(predictions).double()
