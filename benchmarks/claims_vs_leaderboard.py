@@ -51,7 +51,8 @@ def main(argv: list[str]) -> int:
         print(__doc__.strip().splitlines()[4].strip(), file=sys.stderr)
         return 2
     suite = json.loads(Path(argv[0]).read_text())
-    papers = [record for path in argv[1:] for record in json.loads(Path(path).read_text())]
+    # A paper-protocol record that was never run (a sweep row left out of the invocation) has nothing to compare.
+    papers = [r for path in argv[1:] for r in json.loads(Path(path).read_text()) if r["verdict"] != "not run"]
     print("| claim | metric | paper protocol (setting: verdict) | leaderboard (setting: verdict) | |")
     print("|---|---|---|---|---|")
     for record in suite:
