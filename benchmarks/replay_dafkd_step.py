@@ -100,17 +100,18 @@ def replay(dump: dict, overrides: list[str], save_student: str | None = None, in
     t = algorithm.params.temperature
     sharpened = torch.softmax(t * target.clamp_min(1e-30).log(), dim=1)
     row["target_prior_at_t1"] = [round(float(v), 3) for v in sharpened.mean(0)]
-    # The same target on the real test images (labels used only to score it): a student that matches q on the
-    # generated batch can be no better on real images than q is there, whatever ŵ started at.
-    real_x, real_y = (torch.cat(t) for t in zip(*runtime.test_pipeline.test_batches(500)))
+    # The same target on the real test images (labels used only to score it): is what the step is asked to copy
+    # right on real data, and does the student carry it there (issue 61: the target was right, the student was not)?
+    real_x, real_y = (torch.cat(parts) for parts in zip(*runtime.test_pipeline.test_batches(500)))
     real_target = algorithm.teacher_target(server, real_x, replies, lambda: algorithm.aggregate_logits(server, real_x))
     real_pred = real_target.argmax(1)
     row["target_accuracy_real"] = 100.0 * float((real_pred == real_y).float().mean())
     row["teachers_accuracy_real"] = [round(a, 1) for a in teacher_accuracies(algorithm, server, replies, real_x, real_y)]
     row["class_accuracy_aggregate"] = class_accuracies(predict(server.model, real_x), real_y)
     metrics = algorithm.refine(server, info, replies, dump["cids"])
-    row["class_accuracy_after"] = class_accuracies(predict(server.model, real_x), real_y)
-    row["student_agrees_with_target_real"] = 100.0 * float((predict(server.model, real_x) == real_pred).float().mean())
+    predicted_after = predict(server.model, real_x)
+    row["class_accuracy_after"] = class_accuracies(predicted_after, real_y)
+    row["student_agrees_with_target_real"] = 100.0 * float((predicted_after == real_pred).float().mean())
     acc, loss, predictions = runtime.evaluate_global_with_predictions()  # predictions: the class histogram
     histogram = torch.as_tensor(predictions).double()
     row.update(acc_after=acc, loss_after=loss, predicted_class_share_after=round(float(histogram.max()) / float(histogram.sum()), 3))
