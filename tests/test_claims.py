@@ -331,3 +331,35 @@ def test_the_seeds_cell_counts_the_claimed_side_of_each_relation():
         value=lambda c, m, s, metric: mb[(m, s)], available=lambda c, m: True,
     )  # fmt: skip
     assert claim_cells(close)["seeds"] == "2 (1/2 within ±0.1)"
+
+
+def test_claims_vs_leaderboard_pairs_verdicts_and_skips_rows_never_run(tmp_path, capsys):
+    """benchmarks/claims_vs_leaderboard.py: a leaderboard claim beside the same claim on a paper protocol, matched by
+    methods (case, punctuation and a parenthesised variant ignored) and metric. One that holds beside one that does
+    not hold is a disagreement; a paper row that never ran is left out rather than printed as an empty pair."""
+    import importlib.util
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "claims_vs_leaderboard.py"
+    spec = importlib.util.spec_from_file_location("claims_vs_leaderboard", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+
+    def record(claim, setting, verdict, metric="final"):
+        return {"claim": claim, "setting": setting, "metric": metric, "verdict": verdict, "links": []}
+
+    suite = tmp_path / "suite.json"
+    suite.write_text(json.dumps([record("dafkd > fedavg", "shards", "holds"), record("fedict < fedavg", "shards", "holds", "mb")]))
+    papers = tmp_path / "papers.json"
+    papers.write_text(json.dumps([
+        record("DaFKD > FedAvg", "MNIST", "does not hold"),
+        record("DaFKD (sweep) > FedAvg", "MNIST", "not run"),
+        record("DaFKD > FedAvg", "Fashion-MNIST", "inconclusive"),
+        record("DaFKD > FedAvg", "Fashion-MNIST", "holds", metric="last5"),
+    ]))  # fmt: skip
+    assert module.main([str(suite), str(papers)]) == 0
+    rows = capsys.readouterr().out.splitlines()[2:]
+    assert len(rows) == 3, rows  # the never-run row and the other metric's row are not paired
+    assert rows[0].endswith("| disagree |") and "MNIST: does not hold" in rows[0]
+    assert rows[1].endswith("| differ |") and "Fashion-MNIST: inconclusive" in rows[1]
+    assert "not tested on a paper protocol" in rows[2]
