@@ -27,17 +27,19 @@ import sys
 import torch
 
 from fedistill.config import build_config, parse_override
+from fedistill.engine.evaluation import autocast_context
 from fedistill.models.flat import set_flat
 from fedistill.protocol import Message, RoundInfo
 from fedistill.runner import load_dataset_for
 from fedistill.simulation import Simulation
 
 
-def predict(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """The model's predicted classes on ``x`` in eval mode (its mode is put back)."""
+def predict(model: torch.nn.Module, x: torch.Tensor, precision: str) -> torch.Tensor:
+    """The model's predicted classes on ``x`` in eval mode under the run's autocast, as the run evaluates (its mode
+    is put back)."""
     was = model.training
     model.eval()
-    with torch.inference_mode():
+    with torch.inference_mode(), autocast_context(precision, x.device):
         out = torch.cat([model(xb).float().argmax(1) for xb in x.split(500)])
     model.train(was)
     return out
@@ -54,7 +56,7 @@ def teacher_accuracies(algorithm, server, replies: list[Message], x: torch.Tenso
     accuracies = []
     for reply in replies:
         set_flat(teacher, reply["weights"])
-        accuracies.append(100.0 * float((predict(teacher, x) == y).float().mean()))
+        accuracies.append(100.0 * float((predict(teacher, x, server.precision) == y).float().mean()))
     return accuracies
 
 
@@ -69,7 +71,7 @@ def inputs_from_uploaded_generators(algorithm, server, rnd: int, replies: list[M
     try:
         for k, reply in enumerate(replies):
             server.state[GENERATOR_KEY] = reply["generator"]
-            parts.append((k, type(algorithm).server_distill_inputs(algorithm, server, rnd)))
+            parts.append((k, algorithm.server_distill_inputs(server, rnd)))
     finally:
         server.state[GENERATOR_KEY] = average
     x = torch.empty_like(parts[0][1])
@@ -107,9 +109,9 @@ def replay(dump: dict, overrides: list[str], save_student: str | None = None, in
     real_pred = real_target.argmax(1)
     row["target_accuracy_real"] = 100.0 * float((real_pred == real_y).float().mean())
     row["teachers_accuracy_real"] = [round(a, 1) for a in teacher_accuracies(algorithm, server, replies, real_x, real_y)]
-    row["class_accuracy_aggregate"] = class_accuracies(predict(server.model, real_x), real_y)
+    row["class_accuracy_aggregate"] = class_accuracies(predict(server.model, real_x, server.precision), real_y)
     metrics = algorithm.refine(server, info, replies, dump["cids"])
-    predicted_after = predict(server.model, real_x)
+    predicted_after = predict(server.model, real_x, server.precision)
     row["class_accuracy_after"] = class_accuracies(predicted_after, real_y)
     row["student_agrees_with_target_real"] = 100.0 * float((predicted_after == real_pred).float().mean())
     acc, loss, predictions = runtime.evaluate_global_with_predictions()  # predictions: the class histogram
