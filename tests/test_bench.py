@@ -520,3 +520,43 @@ def test_a_counter_that_fails_inside_the_run_costs_the_cell_nothing(tmp_path, mo
     assert [r["test_accuracy"] for r in rows] == [r["test_accuracy"] for r in plain]
     flops = json.loads((tmp_path / "counted" / "flops.json").read_text())
     assert flops["flops_per_round"] > 0 and "counted" not in flops  # the one-round copy's count
+
+
+def test_a_round_the_process_was_stopped_in_is_marked_and_left_out_of_its_seconds(tmp_path, monkeypatch):
+    """A real stop: in round 2 the run stops itself (SIGSTOP) and a child process continues it (SIGCONT) 0.4 s later,
+    as `kill -STOP` / `kill -CONT` on a bench, Ctrl-Z then `fg`, or a scheduler's suspend would. Round 2's row is
+    marked ``paused``, its seconds hold the stop, and s/round is the mean of rounds 1 and 3 alone."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from fedistill.config import build_config
+    from fedistill.engine.server import ServerRuntime
+    from fedistill.runs import read_saved
+    from fedistill.studies.bench import _run_cell
+    from fedistill.studies.reproduce import run_result
+
+    original = ServerRuntime.broadcast
+    stopped = []
+
+    def broadcast_then_stop_once(self, info, cid):
+        if info.round == 2 and not stopped:
+            stopped.append(cid)
+            subprocess.Popen([sys.executable, "-c", f"import os, signal, time; time.sleep(0.4); os.kill({os.getpid()}, signal.SIGCONT)"])
+            os.kill(os.getpid(), signal.SIGSTOP)  # continued by the child
+        return original(self, info, cid)
+
+    monkeypatch.setattr(ServerRuntime, "broadcast", broadcast_then_stop_once)
+    tree = build_config({
+        "dataset": {"name": "synthetic", "synthetic": {"max_samples": 100, "test_samples": 500}}, "rounds": 3,
+        "partition": {"scheme": "natural", "num_clients": 10}, "clients_per_round": 4,
+        "local": {"epochs": 1, "batch_size": 10, "momentum": 0.0}, "run": {"progress": False, "threads": 1, "workers": 1},
+    }).resolved_dict()  # fmt: skip
+    path = tmp_path / "cell"
+    _run_cell(tree, str(path), count_flops=False)
+    _, rows, _ = read_saved(path)
+    assert stopped and [bool(r.get("paused")) for r in rows] == [False, True, False]
+    assert rows[1]["seconds"] >= 0.4
+    result = run_result(build_config(tree), "s", "FedAvg", 0, rows, False)
+    assert result.seconds_per_round == pytest.approx((rows[0]["seconds"] + rows[2]["seconds"]) / 2)

@@ -31,6 +31,7 @@ from .checkpoint import (
 from .cuda_graphs import graphed_evaluate
 from .evaluation import evaluate
 from .executors import state_to
+from . import pauses
 from .federation import check_partition
 from .perf import deterministic_kernels
 from .run_setup import apply_process_settings, build_model_for, build_shared_model, round_info, run_numerics  # noqa: F401  (re-exported)
@@ -168,6 +169,7 @@ class ServerRuntime:
         # Marks for the next round's metric row, set by whoever runs the round (the FLOP-counted round's
         # ``flops_counted``): recorded with the row itself, so a checkpoint and a resume keep them.
         self.next_row_marks: dict[str, Any] = {}
+        pauses.install()  # a round the process is stopped in is marked, and left out of the seconds per round
         self.algorithm.init_server(self.server)
 
     def _shared_model(self, cfg: Config, dataset: Dataset, client_models: dict) -> tuple[torch.Tensor | None, tuple | None]:
@@ -436,6 +438,8 @@ class ServerRuntime:
         row["server_seconds"] = server_seconds
         row["eval_seconds"] = time.perf_counter() - eval_start
         row["seconds"] = time.perf_counter() - started
+        if pauses.stopped_since(started):
+            row[pauses.PAUSED_KEY] = True
         row.update(self.next_row_marks)
         self.next_row_marks = {}
         self.state.round = rnd

@@ -29,6 +29,7 @@ from ..config import load_yaml
 from ..config import bundled_configs, bundled_configs_dir, build_config, find_config  # noqa: F401  (re-exported)
 from ..errors import ConfigError
 from ..engine.flops import FLOPS_COUNTED_KEY
+from ..engine.pauses import PAUSED_KEY
 from .reproduce_tables import print_table, write_tables
 from ..runs import ensure_run, read_saved, run_in_parallel, run_state
 
@@ -284,8 +285,10 @@ def run_result(cfg, column: str, method: str, seed: int, rows: list[dict[str, An
     """A run's metric rows (at most ``cfg.rounds``) as the numbers the tables use."""
     key = "personal_accuracy" if cfg.accuracy_metric() == "personal" else "test_accuracy"
     accuracies = [(r["round"], r[key]) for r in rows if r.get(key) is not None]
-    # A round run under the FLOP counter (the bench's first seed, engine/flops.py) paid the counter's overhead.
-    seconds = [r["seconds"] for r in rows if r.get("seconds") is not None and not r.get(FLOPS_COUNTED_KEY)]
+    # A round run under the FLOP counter (the bench's first seed, engine/flops.py) paid the counter's overhead; a
+    # round the process was stopped in (engine/pauses.py) counted the stop.
+    seconds = [r["seconds"] for r in rows
+               if r.get("seconds") is not None and not r.get(FLOPS_COUNTED_KEY) and not r.get(PAUSED_KEY)]
     traffic = [r["bytes_down"] + r["bytes_up"] for r in rows]
     weights = [r["bytes_weight_exchange"] for r in rows if r.get("bytes_weight_exchange")]
     return RunResult(
