@@ -33,24 +33,27 @@ def methods_block(root: Path) -> str:
     return markdown_table(["method", "kind", "what it does"], rows)
 
 
-def leaderboard_block(root: Path, top: int = 5) -> str:
-    """The ``top`` rows of each setting of each published leaderboard, and the first setting's figure."""
-    lines: list[str] = []
+def leaderboard_block(root: Path, top: int = 3) -> str:
+    """The ``top`` rows of each setting of each published leaderboard, in one table, and each leaderboard's figure
+    of its last setting on one line (the README is kept short: the full tables are a link away)."""
+    table: list[list] = []
+    figures: list[str] = []
     for path in sorted((root / "benchmarks" / "leaderboards").glob("*/leaderboard.json")):
         suite = path.parent.name
         rows = json.loads(path.read_text(encoding="utf-8"))
         settings = list(dict.fromkeys(r["setting"] for r in rows))
-        table = []
         for setting in settings:
             ranked = sorted((r for r in rows if r["setting"] == setting and r.get("rank") is not None), key=lambda r: r["rank"])
             for r in ranked[:top]:
                 # a one-seed std is None in leaderboard.json and n/a here (format_stat), never 0
                 table.append([f"{suite}, {r.get('label', setting)}", r["rank"], r["method"],
                               format_stat({"mean": r["final_accuracy"], "std": r.get("final_accuracy_std")}),
-                              f"{r['mb_per_round']:.1f}", f"{r['seconds_per_round']:.1f}"])  # fmt: skip
-        lines += [markdown_table(["suite, setting", "rank", "method", "final acc %", "MB/round", "s/round"], table)]
-        lines += ["", f"![{suite}: {settings[-1]}](benchmarks/leaderboards/{suite}/leaderboard_{settings[-1]}.png)", ""]
-    return "\n".join(lines).rstrip()
+                              f"{r['mb_per_round']:.3g}", f"{r['seconds_per_round']:.1f}"])  # fmt: skip
+        figures.append(f"![{suite}: {settings[-1]}](benchmarks/leaderboards/{suite}/leaderboard_{settings[-1]}.png)")
+    if not table:
+        return ""
+    lines = [markdown_table(["suite, setting", "rank", "method", "final acc %", "MB/round", "s/round"], table), ""]
+    return "\n".join(lines + [" ".join(figures)])
 
 
 BLOCKS = {"methods": methods_block, "leaderboard": leaderboard_block}
