@@ -2,9 +2,11 @@
 
 FedAvg whose clients add a confidence penalty to their loss (Pereyra et al., 2017): beta * sum_c p_c log p_c,
 the negative entropy of the prediction, which discourages over-confident local models on label-skewed
-clients. Everything else (sampling, local SGD, aggregation, evaluation) is FedAvg's.
+clients. Everything else (sampling, local SGD, aggregation, evaluation) is FedAvg's. The same penalty on Local's
+clients, ``local_cp``, trains any model group (clients of different architectures) and ranks on fd-hetero-mnist.
 
     fedistill run --plugin examples/confidence_penalty.py --algorithm fedavg_cp --set algorithm.beta=0.2
+    fedistill bench fd-hetero-mnist --plugin examples/confidence_penalty.py --methods local_cp
 
 or from Python: ``import confidence_penalty; fedistill.run(algorithm={"name": "fedavg_cp", "beta": 0.2})``.
 A package can ship it as an entry point instead: ``[project.entry-points."fedistill.plugins"]
@@ -18,6 +20,9 @@ from pydantic import Field
 
 import fedistill
 from fedistill.algorithms.fedavg import FedAvg, FedAvgParams
+from fedistill.algorithms.hetero import load_own_model, train_own_model
+from fedistill.algorithms.local_only import LocalOnly, LocalOnlyParams
+from fedistill.protocol import Message, metric_items
 
 
 class ConfidencePenaltyParams(FedAvgParams):
@@ -38,3 +43,20 @@ class FedAvgConfidencePenalty(FedAvg):
         """Added to each local batch's cross-entropy; gets the model, the batch and its logits and features."""
         beta = self.params.beta
         return lambda model, x, y, logits, features: confidence_penalty(logits, beta)
+
+
+class LocalConfidencePenaltyParams(LocalOnlyParams):
+    beta: float = Field(0.1, ge=0.0, description="weight of the confidence penalty (0: Local)")
+
+
+@fedistill.register_algorithm("local_cp", help="Local + a confidence penalty on the clients (examples/confidence_penalty.py)")
+class LocalConfidencePenalty(LocalOnly):
+    """Every client trains its own model (its own architecture) alone, with the penalty added to its loss."""
+
+    Params = LocalConfidencePenaltyParams
+
+    def local_update(self, client, info, msg):
+        beta = self.params.beta
+        load_own_model(client)
+        result = train_own_model(client, info.lr, self.local, extra_loss=lambda model, x, y, logits, features: confidence_penalty(logits, beta))
+        return Message(metric_items(result.mean_loss, client.num_samples))

@@ -69,6 +69,24 @@ def test_confidence_penalty_plugin_runs_from_the_cli(tmp_path, isolated_registry
     assert module.confidence_penalty(probs.log(), 0.3).item() == pytest.approx(expected, rel=1e-5)
 
 
+def test_the_plugins_local_cp_is_local_at_beta_zero_on_clients_of_different_architectures(tmp_path, isolated_registry):
+    """examples/confidence_penalty.py's ``local_cp`` (the plugin docs/guides/rank.md ranks on fd-hetero-mnist): at
+    beta 0 every client's accuracy equals Local's in every round, bit for bit; at beta 1 the training differs."""
+    from fedistill import plugins
+
+    plugins.add_plugins([str(EXAMPLES / "confidence_penalty.py")])
+    base = {"dataset": {"name": "digits"}, "model": {"clients": ["digits_cnn", "logistic"]}, "rounds": 2,
+            "partition": {"scheme": "lda", "num_clients": 4, "alpha": 0.5, "per_client_test": True}, "clients_per_round": 4,
+            "local": {"batch_size": 32, "lr": 0.05}, "run": {"threads": 1, "progress": False}}  # fmt: skip
+    runs = {name: fedistill.run(base, algorithm=algorithm, out_dir=str(tmp_path), name=name, threads=1)
+            for name, algorithm in (("local", "local_only"), ("cp0", {"name": "local_cp", "beta": 0.0}),
+                                    ("cp1", {"name": "local_cp", "beta": 1.0}))}  # fmt: skip
+    personal = {name: [r["personal_accuracies"] for r in run.history] for name, run in runs.items()}
+    assert personal["cp0"] == personal["local"]
+    assert [r["train_loss"] for r in runs["cp1"].history] != [r["train_loss"] for r in runs["local"].history]
+    assert runs["cp1"].history[-1]["bytes_up"] == 0  # nothing travels, as in Local
+
+
 def test_custom_dataset_example_learns_its_four_classes(tmp_path):
     out = _script("custom_dataset.py", "--rounds", "3", "--out", str(tmp_path / "bars"), cwd=tmp_path)
     accuracies = _accuracies(tmp_path / "bars" / "fedavg-bars")
