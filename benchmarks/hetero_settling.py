@@ -3,8 +3,8 @@ FedTGP's server loss flat by the end").
 
 Reads a bench directory (``fedistill bench``'s ``--out/SUITE``, or a kept copy: SETTING/METHOD/seedN/metrics.jsonl)
 and prints, per setting and method, the seeds' mean personalised accuracy over the last two windows of ``--window``
-rounds and their difference, and for every method that logs a ``server_loss`` (FedTGP's prototype generator, FedGen's
-generator, ...) the same for that loss with its least-squares slope per round over the last window. Windows are of
+rounds, their difference and the least-squares slope per round over the last window, and the same for what a
+method's server logs about its own training (``server_loss``; FedTGP's ``margin``). Windows are of
 even length because FedTGP alternates between odd and even rounds (fedtgp.md A3, the code's prototype lag): an odd
 window would read that alternation as a trend.
 
@@ -17,18 +17,16 @@ import json
 import statistics
 from pathlib import Path
 
+from scipy import stats
+
+
+# What a server logs about its own training, where it does: the loss of its step (FedTGP's prototype generator,
+# FedGen's generator, ...) and FedTGP's adaptive margin δ_t (fedtgp.md T5), which that loss grows with.
+SERVER_KEYS = ("server_loss", "margin")
+
 
 def read_history(metrics_file: Path) -> list[dict]:
     return [json.loads(line) for line in metrics_file.read_text().splitlines() if line.strip()]
-
-
-def least_squares_slope(values: list[float]) -> float:
-    """Slope per round of the ordinary least-squares line through ``values`` at rounds 0, 1, ..."""
-    n = len(values)
-    mean_x, mean_y = (n - 1) / 2, statistics.fmean(values)
-    covariance = sum((x - mean_x) * (y - mean_y) for x, y in enumerate(values))
-    variance = sum((x - mean_x) ** 2 for x in range(n))
-    return covariance / variance
 
 
 def window_summary(series: list[list[float]], window: int) -> dict:
@@ -36,7 +34,7 @@ def window_summary(series: list[list[float]], window: int) -> dict:
     over the last window."""
     before = statistics.fmean(statistics.fmean(s[-2 * window:-window]) for s in series)
     last = statistics.fmean(statistics.fmean(s[-window:]) for s in series)
-    slope = statistics.fmean(least_squares_slope(s[-window:]) for s in series)
+    slope = statistics.fmean(stats.linregress(range(window), s[-window:]).slope for s in series)
     return {"before": before, "last": last, "change": last - before, "slope_per_round": slope, "seeds": len(series)}
 
 
@@ -50,8 +48,9 @@ def settling(bench_dir: Path, window: int) -> dict:
             if not histories:
                 continue
             row = {"accuracy": window_summary([[r["personal_accuracy"] for r in h] for h in histories], window)}
-            if all(h[-1].get("server_loss") is not None for h in histories):
-                row["server_loss"] = window_summary([[r["server_loss"] for r in h] for h in histories], window)
+            for key in SERVER_KEYS:
+                if all(h[-1].get(key) is not None for h in histories):
+                    row[key] = window_summary([[r[key] for r in h] for h in histories], window)
             table.setdefault(setting_dir.name, {})[method_dir.name] = row
     return table
 
@@ -72,10 +71,11 @@ def main() -> None:
             acc = row["accuracy"]
             line = (f"  {method:12s} accuracy {acc['before']:6.2f} -> {acc['last']:6.2f} ({acc['change']:+5.2f}, "
                     f"{acc['slope_per_round']:+.3f}/round, {acc['seeds']} seeds)")
-            if "server_loss" in row:
-                loss = row["server_loss"]
-                line += (f"   server loss {loss['before']:.3f} -> {loss['last']:.3f} ({loss['change']:+.3f}, "
-                         f"{loss['slope_per_round']:+.4f}/round)")
+            for key in SERVER_KEYS:
+                if key in row:
+                    value = row[key]
+                    line += (f"   {key.replace('_', ' ')} {value['before']:.3f} -> {value['last']:.3f} "
+                             f"({value['change']:+.3f}, {value['slope_per_round']:+.4f}/round)")
             print(line)
     if args.json:
         args.json.write_text(json.dumps(table, indent=1) + "\n")
