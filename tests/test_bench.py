@@ -471,6 +471,18 @@ def test_every_method_trains_bit_for_bit_the_same_under_the_flop_counter(name, d
     assert untimed(plain) == untimed(marked)
 
 
+def _synthetic_cell(rounds: int, clients_per_round: int) -> dict:
+    """A bench cell's resolved config on FedAvg with logistic regression over 10 synthetic clients (the hand count of
+    test_round_flops_match_the_logistic_models_count_by_hand)."""
+    from fedistill.config import build_config
+
+    return build_config({
+        "dataset": {"name": "synthetic", "synthetic": {"max_samples": 100, "test_samples": 500}}, "rounds": rounds,
+        "partition": {"scheme": "natural", "num_clients": 10}, "clients_per_round": clients_per_round,
+        "local": {"epochs": 1, "batch_size": 10, "momentum": 0.0}, "run": {"progress": False, "threads": 1, "workers": 1},
+    }).resolved_dict()  # fmt: skip
+
+
 def test_the_runs_own_round_one_is_counted_and_left_out_of_its_seconds(tmp_path):
     """FedAvg with logistic regression on synthetic clients (the hand count of
     test_round_flops_match_the_logistic_models_count_by_hand): a bench cell's first seed counts round 1 inside
@@ -480,11 +492,7 @@ def test_the_runs_own_round_one_is_counted_and_left_out_of_its_seconds(tmp_path)
     from fedistill.studies.reproduce import run_result
     from fedistill.runs import read_saved
 
-    tree = build_config({
-        "dataset": {"name": "synthetic", "synthetic": {"max_samples": 100, "test_samples": 500}}, "rounds": 2,
-        "partition": {"scheme": "natural", "num_clients": 10}, "clients_per_round": 10,
-        "local": {"epochs": 1, "batch_size": 10, "momentum": 0.0}, "run": {"progress": False, "threads": 1, "workers": 1},
-    }).resolved_dict()  # fmt: skip
+    tree = _synthetic_cell(rounds=2, clients_per_round=10)
     path = tmp_path / "cell"
     _run_cell(tree, str(path), count_flops=True)
     flops = json.loads((path / "flops.json").read_text())
@@ -548,11 +556,7 @@ def test_a_round_the_process_was_stopped_in_is_marked_and_left_out_of_its_second
         return original(self, info, cid)
 
     monkeypatch.setattr(ServerRuntime, "broadcast", broadcast_then_stop_once)
-    tree = build_config({
-        "dataset": {"name": "synthetic", "synthetic": {"max_samples": 100, "test_samples": 500}}, "rounds": 3,
-        "partition": {"scheme": "natural", "num_clients": 10}, "clients_per_round": 4,
-        "local": {"epochs": 1, "batch_size": 10, "momentum": 0.0}, "run": {"progress": False, "threads": 1, "workers": 1},
-    }).resolved_dict()  # fmt: skip
+    tree = _synthetic_cell(rounds=3, clients_per_round=4)
     path = tmp_path / "cell"
     _run_cell(tree, str(path), count_flops=False)
     _, rows, _ = read_saved(path)
