@@ -41,7 +41,7 @@ import torch
 from fedistill.algorithms.hetero import load_own_model
 from fedistill.class_losses import nearest_prototype_scores
 from fedistill.config import build_config
-from fedistill.engine.state_store import _states_of
+from fedistill.engine.state_store import client_states_of
 from fedistill.models.group import pool_to_dim
 from fedistill.protocol import ClassRows
 from fedistill.runner import load_dataset_for
@@ -132,7 +132,7 @@ def diagnose(run_dir: Path) -> None:
         clients = sim.client_runtime
         glob = ClassRows(checkpoint["server_state"]["prototype_classes"], checkpoint["server_state"]["prototype_rows"])
         prototypes, present = glob.dense(sim.dataset.num_classes, clients.device)
-        states = _states_of(checkpoint["client_store"], run_dir)  # read only: the files the checkpoint names
+        states = client_states_of(checkpoint["client_store"], run_dir)  # read only: the files the checkpoint names
         rows = []
         for cid in sorted(states):
             ctx = clients.context(cid, checkpoint["round"], states[cid])

@@ -124,7 +124,7 @@ class MemoryStateStore(Mapping[int, dict[str, Any]]):
 
     def restore(self, payload: dict[str, Any], run_dir: Path | None) -> None:
         # Kept in this store's form (a disk checkpoint's states arrive widened to float32).
-        self._states = {cid: pack_state(unpack_state(state), self.dtype) for cid, state in _states_of(payload, run_dir).items()}
+        self._states = {cid: pack_state(unpack_state(state), self.dtype) for cid, state in client_states_of(payload, run_dir).items()}
 
     def committed(self) -> None:
         """Called after a checkpoint is safely written (nothing to clean up in memory)."""
@@ -201,7 +201,7 @@ class DiskStateStore(Mapping[int, dict[str, Any]]):
                 )
         else:  # the checkpoint kept states in memory: write them out
             self._current = {}
-            for cid, state in _states_of(payload, run_dir).items():
+            for cid, state in client_states_of(payload, run_dir).items():
                 self.save(cid, state, 0)
         self._checkpointed = dict(self._current)
         # Versions written after the checkpoint belong to rounds that will be run again; a temporary file is
@@ -213,10 +213,12 @@ class DiskStateStore(Mapping[int, dict[str, Any]]):
                 path.unlink()
 
 
-def _states_of(payload: dict[str, Any], run_dir: Path | None) -> dict[int, dict[str, Any]]:
-    """All states a checkpoint payload refers to, read into memory."""
+def client_states_of(payload: dict[str, Any], run_dir: Path | None) -> dict[int, dict[str, Any]]:
+    """All client states a checkpoint's ``client_store`` payload refers to, read into memory as the algorithm gets
+    them (unpacked: see :func:`unpack_state`); ``run_dir`` is the run directory whose state files a disk store's
+    payload names. Also for reading a finished run's clients (benchmarks/diagnose_fedproto_members.py)."""
     if payload.get("kind") == "memory":
-        return payload["states"]
+        return {cid: unpack_state(state) for cid, state in payload["states"].items()}
     disk = DiskStateStore(run_dir / STATE_DIR_NAME if run_dir else None)
     disk._current = {int(c): int(r) for c, r in payload["index"].items()}
     return {cid: disk.load(cid) for cid in disk}
