@@ -18,6 +18,7 @@ from fedistill.report.leaderboard import (
     leaderboard_figure,
     plot_setting,
     write_html,
+    zero_traffic_position,
 )
 
 
@@ -141,6 +142,35 @@ def test_a_figure_of_few_methods_has_no_grey_entry():
         assert [t.get_text() for t in fig.legends[0].get_texts()] == ["#1 a", "#2 fedavg"]
     finally:
         plt.close(fig)
+
+
+def test_a_method_that_sends_nothing_is_drawn_at_the_zero_tick_of_the_traffic_panel():
+    """Local sends 0 MB a round: the log axis has no place for 0, so it was left off the panel (fd-hetero-mnist).
+    It is drawn a quarter of the smallest traffic to the left of every other point, under a tick labelled 0."""
+    import matplotlib.pyplot as plt
+
+    rows = _ranked(("fedtgp", 97.0), ("local_only", 96.0), ("fd", 95.0))
+    sent = {"fedtgp": 0.5, "local_only": 0.0, "fd": 0.012}
+    rows = [{**r, "mb_per_round": sent[r["method"]]} for r in rows]
+    assert zero_traffic_position(rows) == pytest.approx(0.012 / 4)
+    fig = leaderboard_figure("digits LDA", rows, _curves(rows))
+    try:
+        _, traffic, time = fig.axes
+        placed = {a.get_text(): a.xy for a in traffic.texts}
+        assert placed["local_only"] == (pytest.approx(0.003), 96.0)  # drawn, named, left of FD's 0.012
+        assert placed["fd"][0] == pytest.approx(0.012) and placed["fedtgp"][0] == pytest.approx(0.5)
+        fig.canvas.draw()  # tick labels are made on drawing
+        zero_ticks = [t for t in traffic.xaxis.get_minorticklabels() if t.get_text() == "0"]
+        assert [t.get_position()[0] for t in zero_ticks] == [pytest.approx(0.003)]
+        assert traffic.get_xlim()[0] < 0.003  # inside the panel
+        assert sorted(a.get_text() for a in time.texts) == ["fd", "fedtgp", "local_only"]  # the time panel as before
+    finally:
+        plt.close(fig)
+    # nothing at 0: no zero tick; everything at 0: the point at 1 MB
+    assert zero_traffic_position(_ranked(("a", 90.0), ("b", 80.0))) is None
+    assert zero_traffic_position([{**r, "mb_per_round": 0.0} for r in _ranked(("a", 90.0))]) == 1.0
+    unranked = [{**_row("c", None), "mb_per_round": 0.0}] + _ranked(("a", 90.0))
+    assert zero_traffic_position(unranked) is None  # an unranked row is not drawn, so needs no tick
 
 
 class _Tables(HTMLParser):

@@ -22,7 +22,7 @@ from .tables import Cell, Column, html_header, html_table, markdown_table
 
 __all__ = [
     "PAPER_SYSTEMS", "highlighted_methods", "leaderboard_figure", "leaderboard_markdown", "plot_setting",
-    "sortable_header", "write_html",
+    "sortable_header", "write_html", "zero_traffic_position",
 ]  # fmt: skip
 
 
@@ -94,6 +94,21 @@ def _spread_labels(axis, points: list[tuple[str, float, float, Any]], dpi: float
                       bbox={"boxstyle": "square,pad=0.05", "facecolor": "white", "edgecolor": "none", "alpha": 0.7})  # fmt: skip
 
 
+ZERO_MB_LABEL = "0"
+
+
+def zero_traffic_position(rows: list[dict[str, Any]]) -> float | None:
+    """Where the traffic panel's log axis draws the methods that send nothing (Local: 0 MB a round), or None when
+    no ranked row sends nothing: a quarter of the smallest traffic sent (0.6 of a decade to its left), with a tick
+    labelled "0" there, so that the method is drawn and read as sending nothing rather than left off the panel
+    (log(0) has no place on the axis). 1 MB when every ranked row sends nothing."""
+    sent = [r.get("mb_per_round") for r in rows if r.get("final_accuracy") is not None and r.get("mb_per_round") is not None]
+    if not any(value == 0 for value in sent):
+        return None
+    positive = [value for value in sent if value > 0]
+    return min(positive) / 4 if positive else 1.0
+
+
 def leaderboard_figure(label: str, rows: list[dict[str, Any]], curves: dict[str, list[list[tuple[int, float]]]]):
     """The matplotlib Figure of one setting (see ``plot_setting``): the ``highlighted_methods`` in colour with
     their seed bands, named in the legend below the panels and beside their points; every other method in thin
@@ -103,7 +118,7 @@ def leaderboard_figure(label: str, rows: list[dict[str, Any]], curves: dict[str,
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.lines import Line2D
-    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+    from matplotlib.ticker import FixedLocator, FuncFormatter, LogLocator, NullFormatter
 
     fig, axes = plt.subplots(1, 3, figsize=(17, 6))
     ranked = [r for r in rows if r.get("final_accuracy") is not None]
@@ -113,6 +128,15 @@ def leaderboard_figure(label: str, rows: list[dict[str, Any]], curves: dict[str,
     colours.update({m: BASELINE_COLOUR for m in named if m.lower() == BASELINE})
     top = set(highlighted_methods(rows, systems=(), baseline=""))
     to_name: dict[Any, list[tuple[str, float, float, Any]]] = {axes[1]: [], axes[2]: []}
+    zero_mb = zero_traffic_position(ranked)
+
+    def x_of(row: dict[str, Any], key: str) -> float | None:
+        """The row's point on a scatter panel's log axis: nothing sent is drawn at the "0" tick, not dropped."""
+        value = row.get(key)
+        if value == 0 and key == "mb_per_round":
+            return zero_mb
+        return value if value else None
+
     # grey first, so that the named methods are drawn over them
     for row in sorted(ranked, key=lambda r: r["method"] in colours):
         method = row["method"]
@@ -121,8 +145,8 @@ def leaderboard_figure(label: str, rows: list[dict[str, Any]], curves: dict[str,
             if rounds:
                 axes[0].plot(rounds, mean, color=OTHER_COLOUR, linewidth=0.8, zorder=1)
             for axis, key in ((axes[1], "mb_per_round"), (axes[2], "seconds_per_round")):
-                if row.get(key):
-                    axis.plot(row[key], row["final_accuracy"], "o", color=OTHER_COLOUR, markersize=4, zorder=1)
+                if (x := x_of(row, key)) is not None:
+                    axis.plot(x, row["final_accuracy"], "o", color=OTHER_COLOUR, markersize=4, zorder=1)
             continue
         colour = colours[method]
         # the best methods solid, the papers' systems outside the best dashed, FedAvg dash-dotted in black
@@ -136,19 +160,28 @@ def leaderboard_figure(label: str, rows: list[dict[str, Any]], curves: dict[str,
         else:  # no curve to draw, yet the method is named in the legend as it is beside its points
             axes[0].plot([], [], color=colour, linestyle=style, linewidth=1.8, label=text)
         for axis, key in ((axes[1], "mb_per_round"), (axes[2], "seconds_per_round")):
-            if row.get(key):
-                axis.errorbar(row[key], row["final_accuracy"], yerr=row.get("final_accuracy_std") or 0, fmt="o",
+            if (x := x_of(row, key)) is not None:
+                axis.errorbar(x, row["final_accuracy"], yerr=row.get("final_accuracy_std") or 0, fmt="o",
                               color=colour, capsize=2, markersize=6, zorder=3)  # fmt: skip
-                to_name[axis].append((method, row[key], row["final_accuracy"], colour))
+                to_name[axis].append((method, x, row["final_accuracy"], colour))
     axes[0].set(title=f"{label}: accuracy (mean ± std over seeds)", xlabel="round", ylabel="accuracy %")
     axes[1].set(title="final accuracy against traffic", xlabel="MB per round (down + up)", ylabel="final accuracy %", xscale="log")
     axes[2].set(title="final accuracy against time", xlabel="seconds per round", ylabel="final accuracy %", xscale="log")
     for axis in axes[1:]:
-        # ticks at 1, 2, 5 of each decade written as plain numbers: matplotlib's 2×10^1 labels collide on a short range
-        axis.xaxis.set_major_locator(LogLocator(subs=(1, 2, 5)))
+        # ticks at 1, 2, 5 of each decade written as plain numbers (matplotlib's 2×10^1 labels collide on a short
+        # range); over more than three decades (kilobytes to a hundred MB) one tick a decade, or the labels touch
+        xs = [x for _, x, _, _ in to_name[axis]] + [x for line in axis.get_lines() for x in line.get_xdata()]
+        wide = bool(xs) and min(xs) > 0 and math.log10(max(xs) / min(xs)) > 3
+        axis.xaxis.set_major_locator(LogLocator(subs=(1,) if wide else (1, 2, 5)))
         axis.xaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
         axis.xaxis.set_minor_formatter(NullFormatter())
         axis.margins(x=0.15)  # room on the right for the names of the rightmost points
+    if zero_mb is not None:  # the "0" tick of the methods that send nothing, as a minor tick the log ticks leave alone
+        axes[1].xaxis.set_minor_locator(FixedLocator([zero_mb]))
+        axes[1].xaxis.set_minor_formatter(FuncFormatter(lambda value, _: ZERO_MB_LABEL))
+        axes[1].tick_params(axis="x", which="minor", length=plt.rcParams["xtick.major.size"])  # its label level with the others
+        # no number written over the 0: major labels within a factor 2.5 of it (or left of it) stay blank
+        axes[1].xaxis.set_major_formatter(FuncFormatter(lambda value, _: "" if value < 2.5 * zero_mb else f"{value:g}"))
     for axis in axes:
         axis.grid(alpha=0.3)
     fig.tight_layout(rect=(0, 0.1, 1, 1))  # the legend goes below the panels, where it covers no curve
