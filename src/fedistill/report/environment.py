@@ -44,6 +44,36 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+# The instruction sets that decide how fast (and, through the kernels torch picks, in what order of summation)
+# a run's arithmetic goes: two hosts sold under one name ("AMD EPYC") differed 2.6x in a round of FedKD, one with
+# AVX-512 and bf16, one with AVX2 only.
+TIMING_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
+
+
+def cpu_identity(cpuinfo: str | None = None) -> str:
+    """The CPU as far as a timing depends on it: its name, family and model, and which of ``TIMING_FLAGS`` it
+    has, e.g. ``AMD EPYC (family 25 model 17; avx2 avx512f avx512_bf16)``. Read from ``/proc/cpuinfo`` (or the
+    text given); elsewhere the platform's processor name alone."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return cpu_name()
+    fields: dict[str, str] = {}
+    for line in cpuinfo.splitlines():
+        if not line.strip():
+            break  # the first processor's block describes them all
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    name = fields.get("model name") or platform.processor() or platform.machine()
+    flags = set(fields.get("flags", "").split())
+    family, model = fields.get("cpu family"), fields.get("model")
+    where = f"family {family} model {model}" if family and model else ""
+    present = " ".join(f for f in TIMING_FLAGS if f in flags)
+    detail = "; ".join(part for part in (where, present or ("no avx2" if flags else "")) if part)
+    return f"{name} ({detail})" if detail else name
+
+
 def environment_info(cfg: Any) -> dict[str, Any]:
     """Versions, the git commit of a checkout, threads, precision, device and the CPU/GPU names."""
     from .. import __version__
@@ -58,6 +88,7 @@ def environment_info(cfg: Any) -> dict[str, Any]:
         "numpy": _version("numpy"),
         "platform": platform.platform(),
         "cpu": cpu_name(),
+        "cpu_id": cpu_identity(),  # two hosts of one name may differ in speed: compare timings within one cpu_id
         "cpu_count": __import__("os").cpu_count(),
         "gpu": gpu,
         "device": cfg.run.device,

@@ -22,7 +22,7 @@ from .tables import Cell, Column, html_header, html_table, markdown_table
 
 __all__ = [
     "PAPER_SYSTEMS", "highlighted_methods", "leaderboard_figure", "leaderboard_markdown", "plot_setting",
-    "sortable_header", "write_html", "zero_traffic_position",
+    "sortable_header", "timing_note", "write_html", "zero_traffic_position",
 ]  # fmt: skip
 
 
@@ -340,6 +340,23 @@ def seeds_text(row: dict[str, Any]) -> str:
     return f"{row.get('finished', 0)}/{row['seeds']}" + (f", {diverged} diverged" if diverged else "")
 
 
+def timing_note(rows: list[dict[str, Any]]) -> str | None:
+    """A note for the board when its rows' seconds come from more than one CPU (each row's ``cpus``: cpu_id ->
+    cells), which the s/round and % of peak columns do not show: which CPUs, how many cells each, and that
+    times compare only within one. None when one CPU (or none recorded) ran every cell."""
+    counts: dict[str, int] = {}
+    for row in rows:
+        for cpu, n in (row.get("cpus") or {}).items():
+            counts[cpu] = counts.get(cpu, 0) + n
+    if len(counts) < 2:
+        return None
+    parts = ", ".join(f"{n} on {cpu}" for cpu, n in sorted(counts.items(), key=lambda item: (-item[1], item[0])))
+    return (
+        f"Timings from {len(counts)} CPUs: {sum(counts.values())} cells, {parts}. s/round and % of peak compare only "
+        "between rows on the same CPU (each row's cpus in leaderboard.json and .csv)."
+    )
+
+
 def leaderboard_markdown(suite, rows: list[dict[str, Any]], claims: list[dict[str, Any]] | None = None) -> str:
     """leaderboard.md: per setting, the ranked table (fedistill.studies.bench.Suite ``suite``), then the verdicts of
     the suite's claims (report/claims.py rows)."""
@@ -363,7 +380,7 @@ def leaderboard_markdown(suite, rows: list[dict[str, Any]], claims: list[dict[st
         "against this machine's bf16 matmul rate" + rate,
         "",
     ]  # fmt: skip
-    notes = suite.all_notes()
+    notes = suite.all_notes() + [note for note in (timing_note(rows),) if note]
     lines += [f"- {note}" for note in notes] + ([""] if notes else [])
     target = f"rounds to {suite.target_accuracy:g} %" if suite.target_accuracy is not None else "rounds to target"
     for setting, spec in suite.settings.items():

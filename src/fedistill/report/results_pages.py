@@ -16,6 +16,7 @@ from typing import Any
 
 from .claims import provisional_text
 from .groups import format_stat
+from .leaderboard import timing_note
 from .tables import Cell, markdown_table
 
 # Topic of a RESULTS.md section, by the first keyword its heading contains (checked in this order).
@@ -69,6 +70,8 @@ def leaderboard_page(suite: str, suite_dir: Path, image_prefix: str) -> str:
     if notes.exists():  # the suite's own description: the paragraph under the leaderboard's title
         paragraphs = notes.read_text(encoding="utf-8").split("\n\n")
         lines += [p for p in paragraphs[1:3] if not p.startswith("#")] + [""]
+    if note := timing_note(rows):  # seconds from more than one CPU: the page says so, as the leaderboard does
+        lines += [f"**{note}**", ""]
     for setting in dict.fromkeys(r["setting"] for r in rows):
         chosen = sorted((r for r in rows if r["setting"] == setting), key=lambda r: (r.get("rank") is None, r.get("rank") or 0))
         lines += [f"## {chosen[0].get('label', setting)}", ""]

@@ -93,7 +93,8 @@ def _environment(path: Path) -> dict[str, Any]:
     commit = git.get("commit")
     if commit and git.get("uncommitted_changes"):
         commit += "+changes"
-    return {"cpu": env.get("cpu"), "cpu_count": env.get("cpu_count"), "torch": env.get("torch"), "fedistill": commit}
+    return {"cpu": env.get("cpu"), "cpu_id": env.get("cpu_id"), "cpu_count": env.get("cpu_count"), "torch": env.get("torch"),
+            "fedistill": commit}  # fmt: skip
 
 
 def _environment_id(environments: dict[str, dict[str, Any]], env: dict[str, Any]) -> str:
@@ -328,7 +329,7 @@ def rank_against_published(
                 })  # fmt: skip
     notes = []
     published_envs = published.get("environments", {}).values()
-    for key in ("cpu", "torch"):
+    for key in ("cpu", "cpu_id", "torch"):  # cpu_id: the same name may hide another speed (report/environment.py)
         theirs = sorted({str(e.get(key)) for e in published_envs if e.get(key)})
         if theirs and str(this_environment.get(key)) not in theirs:
             notes.append(
@@ -367,10 +368,11 @@ def write_ranking(suite: Any, published: dict[str, Any], cells: list[Any], root:
     """ranking.md and ranking.json in the suite's directory, and the ranking printed."""
     import torch
 
-    from ..report.environment import cpu_name
+    from ..report.environment import cpu_identity, cpu_name
     from ..report.groups import format_stat
 
-    ranking = rank_against_published(suite, published, cells, {"cpu": cpu_name(), "torch": torch.__version__})
+    here = {"cpu": cpu_name(), "cpu_id": cpu_identity(), "torch": torch.__version__}
+    ranking = rank_against_published(suite, published, cells, here)
     text = ranking_markdown(suite, ranking)
     atomic_write(root / "ranking.md", text)
     atomic_write(root / "ranking.json", json.dumps(ranking, indent=1))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import csv
 import json
 import statistics
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,7 @@ from ..fileio import atomic_open, atomic_write
 from ..report.groups import stat
 from .reproduce import method_dir_name
 
-__all__ = ["FLOPS_FILE", "leaderboard_rows", "suite_claim_rows", "write_leaderboard"]
+__all__ = ["FLOPS_FILE", "UNRECORDED_CPU", "cell_cpu", "leaderboard_rows", "suite_claim_rows", "write_leaderboard"]
 
 
 
@@ -37,6 +38,23 @@ def _flops(cells: list[Any]) -> float | None:
             except (OSError, ValueError):
                 return None
     return None
+
+
+UNRECORDED_CPU = "unrecorded"
+"""The CPU of a cell whose environment.json predates ``cpu_id`` (report/environment.py), or has none."""
+
+
+def cell_cpu(cell: Any) -> str:
+    """The ``cpu_id`` a cell ran on (its environment.json, or a published cell's environment), else
+    ``UNRECORDED_CPU``: a cell's seconds are comparable only with those of cells on the same CPU."""
+    if getattr(cell, "published", None) is not None:
+        env = getattr(cell, "published_environment", None) or {}
+    else:
+        try:
+            env = json.loads((cell.path / "environment.json").read_text())
+        except (OSError, ValueError):
+            env = {}
+    return (env.get("cpu_id") if isinstance(env, dict) else None) or UNRECORDED_CPU
 
 
 def leaderboard_rows(
@@ -73,6 +91,9 @@ def leaderboard_rows(
                 mb_per_round=stat(r.bytes_per_round / 1e6 for r in results if r.bytes_per_round is not None)["mean"],
                 seconds_per_round=stat(r.seconds_per_round for r in results if r.seconds_per_round)["mean"],
                 why=None,
+                # the CPUs its seconds were measured on, with how many cells each: a board whose cells ran on more
+                # than one says so (report/leaderboard.py timing_note)
+                cpus=dict(sorted(Counter(cell_cpu(c) for c in mine if c.result() is not None).items())),
             )  # fmt: skip
             flops = _flops(mine)
             achieved = flops / row["seconds_per_round"] / 1e9 if flops and row["seconds_per_round"] else None
@@ -145,7 +166,10 @@ def write_leaderboard(
             part = [r for r in rows if r["setting"] == setting]
             figures[setting] = plot_setting(spec.label, part, curves, root / f"leaderboard_{method_dir_name(setting)}.png")
         labels = {setting: spec.label for setting, spec in suite.settings.items()}
-        write_html(suite.title, suite.description, suite.all_notes(), labels, rows, figures, suite.target_accuracy,
+        from ..report.leaderboard import timing_note
+
+        notes = suite.all_notes() + [note for note in (timing_note(rows),) if note]
+        write_html(suite.title, suite.description, notes, labels, rows, figures, suite.target_accuracy,
                    root / "leaderboard.html", claims)  # fmt: skip
     atomic_write(root / "leaderboard.md", leaderboard_markdown(suite, rows, claims))
     if claims:
