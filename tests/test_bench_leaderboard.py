@@ -13,6 +13,7 @@ import pytest
 
 from fedistill.report.leaderboard import (
     OTHER_COLOUR,
+    board_baseline,
     SORT_SCRIPT,
     highlighted_methods,
     leaderboard_figure,
@@ -83,6 +84,22 @@ def test_without_fedavg_nothing_stands_in_for_it():
     assert highlighted_methods(rows) == ["a", "b", "c", "d", "e", "dafkd"]
     rows.append(_row("fedavg", None, status="n/a", why="refused"))  # FedAvg n/a on the setting: not drawn, not named
     assert "fedavg" not in highlighted_methods(rows)
+
+
+def test_a_board_without_fedavg_reads_against_local_drawn_black_and_named():
+    """The heterogeneous-model boards have no FedAvg (no model can be averaged): Local is their reference."""
+    import matplotlib.pyplot as plt
+
+    rows = _ranked(*[(f"m{i}", 99.0 - i) for i in range(6)], ("local_only", 90.0))
+    assert board_baseline(rows) == "local_only" and board_baseline(MANY) == "fedavg"
+    assert board_baseline(_ranked(("local_only", 90.0), ("fedavg", 80.0))) == "fedavg"  # FedAvg first where present
+    fig = leaderboard_figure("digits LDA", rows, _curves(rows))
+    try:
+        black = [line.get_label() for line in fig.axes[0].get_lines() if line.get_color() == "black"]
+        assert black == ["#7 local_only"]  # seventh, yet named and drawn dash-dotted in black
+        assert "local_only" in [t.get_text() for t in fig.axes[1].texts]
+    finally:
+        plt.close(fig)
 
 
 def test_a_suites_own_names_are_matched_whatever_their_case():

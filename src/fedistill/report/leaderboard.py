@@ -21,7 +21,7 @@ from ..fileio import atomic_write
 from .tables import Cell, Column, html_header, html_table, markdown_table
 
 __all__ = [
-    "PAPER_SYSTEMS", "highlighted_methods", "leaderboard_figure", "leaderboard_markdown", "plot_setting",
+    "PAPER_SYSTEMS", "board_baseline", "highlighted_methods", "leaderboard_figure", "leaderboard_markdown", "plot_setting",
     "sortable_header", "timing_note", "write_html", "zero_traffic_position",
 ]  # fmt: skip
 
@@ -31,7 +31,16 @@ PAPER_SYSTEMS = ("fedlmd", "fedftg", "fedict", "dafkd")
 (``fedlmd_tf`` is FedLMD's teacher-free variant, a suite may name ``FedAvg+FedFTG``)."""
 BASELINE = "fedavg"
 """The method every other is read against, matched by its whole name (``fedavg_kd`` and ``fedavgm`` are others)."""
+LOCAL_BASELINE = "local_only"
+"""The baseline of a board without FedAvg (the heterogeneous-model boards, where no model can be averaged): each
+client training alone, the reference those methods are read against (HtFLlib's Local)."""
 TOP_METHODS = 5
+
+
+def board_baseline(rows: list[dict[str, Any]]) -> str:
+    """The baseline a board's figure draws in black and always names: FedAvg where the board has it, else Local."""
+    names = {r["method"].lower() for r in rows if r.get("final_accuracy") is not None}
+    return LOCAL_BASELINE if BASELINE not in names and LOCAL_BASELINE in names else BASELINE
 
 
 def highlighted_methods(rows: list[dict[str, Any]], top: int = TOP_METHODS, systems: tuple[str, ...] = PAPER_SYSTEMS,
@@ -122,10 +131,11 @@ def leaderboard_figure(label: str, rows: list[dict[str, Any]], curves: dict[str,
 
     fig, axes = plt.subplots(1, 3, figsize=(17, 6))
     ranked = [r for r in rows if r.get("final_accuracy") is not None]
-    named = highlighted_methods(rows)
-    coloured = [m for m in named if m.lower() != BASELINE]
+    baseline = board_baseline(ranked)
+    named = highlighted_methods(rows, baseline=baseline)
+    coloured = [m for m in named if m.lower() != baseline]
     colours = {m: NAMED_COLOURS[i % len(NAMED_COLOURS)] for i, m in enumerate(coloured)}
-    colours.update({m: BASELINE_COLOUR for m in named if m.lower() == BASELINE})
+    colours.update({m: BASELINE_COLOUR for m in named if m.lower() == baseline})
     top = set(highlighted_methods(rows, systems=(), baseline=""))
     to_name: dict[Any, list[tuple[str, float, float, Any]]] = {axes[1]: [], axes[2]: []}
     zero_mb = zero_traffic_position(ranked)
@@ -150,7 +160,7 @@ def leaderboard_figure(label: str, rows: list[dict[str, Any]], curves: dict[str,
             continue
         colour = colours[method]
         # the best methods solid, the papers' systems outside the best dashed, FedAvg dash-dotted in black
-        style = "-" if method in top else ("-." if method.lower() == BASELINE else "--")
+        style = "-" if method in top else ("-." if method.lower() == baseline else "--")
         text = f"#{row['rank']} {method}" if row.get("rank") is not None else method
         if rounds:
             axes[0].plot(rounds, mean, color=colour, linestyle=style, linewidth=1.8, label=text, zorder=3)
