@@ -109,7 +109,8 @@ def main() -> None:
         path.write_text(json.dumps({"peak_gflops_1_thread": peak, "group": args.group, "precision": args.precision, "results": results}, indent=1))
         print(f"{method}: done ({path})", file=sys.stderr)
 
-    print(f"one-thread bf16 matmul peak here: {peak:.0f} GFLOP/s; MNIST, 20 clients of {args.group}, alpha 0.1, all in every round, {args.precision}\n")
+    peak_text = "none (bf16 not in this CPU's hardware)" if peak is None else f"{peak:.0f} GFLOP/s"
+    print(f"one-thread bf16 matmul peak here: {peak_text}; MNIST, 20 clients of {args.group}, alpha 0.1, all in every round, {args.precision}\n")
     print("| method | s/round (rounds 2-%d) | of it server | GFLOP/round | GFLOP/s | %% of peak | kB up/round | personal acc. after round %d |" % (args.rounds, args.rounds))
     print("|---|---|---|---|---|---|---|---|")
     for method, result in results.items():
@@ -118,8 +119,9 @@ def main() -> None:
         server = sum(r["server_seconds"] or 0.0 for r in later) / len(later)
         gflop = result["flops_per_round"] / 1e9
         last = result["rounds"][-1]
+        share = "-" if peak is None else f"{100 * gflop / seconds / peak:.1f}"
         print(
-            f"| {method} | {seconds:.2f} | {server:.3f} | {gflop:.1f} | {gflop / seconds:.1f} | {100 * gflop / seconds / peak:.1f} | "
+            f"| {method} | {seconds:.2f} | {server:.3f} | {gflop:.1f} | {gflop / seconds:.1f} | {share} | "
             f"{(last['bytes_up'] or 0) / 1e3:.1f} | {last['personal_accuracy']:.2f} |"
         )
     print(f"\nwritten {path}")

@@ -58,19 +58,34 @@ def peak_matmul_size(probe_gflops: float, size: int = 2048, slow_seconds: float 
     return max(256, min(size, int((probe_gflops * 1e9 * step_seconds / 2) ** (1 / 3))))
 
 
-def measure_bf16_peak(threads: int, size: int = 2048, seconds: float = 1.0) -> float:
+def _probe_rate(dtype: Any, side: int = 256, repeats: int = 3) -> float:
+    """GFLOP/s of the fastest of ``repeats`` ``side``-square matmuls in ``dtype`` (after one to warm up)."""
+    import torch
+
+    a = torch.randn(side, side, dtype=dtype)
+    torch.mm(a, a)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        torch.mm(a, a)
+        best = min(best, time.perf_counter() - start)
+    return 2 * side**3 / max(best, 1e-9) / 1e9
+
+
+def measure_bf16_peak(threads: int, size: int = 2048, seconds: float = 1.0) -> float | None:
     """This machine's bf16 matmul rate in GFLOP/s on ``threads`` threads (square matmuls, best of a second; their
-    side from a 256-square probe, :func:`peak_matmul_size`)."""
+    side from a 256-square probe, :func:`peak_matmul_size`), or None where bf16 is not in the hardware: its probe
+    slower than an fp32 one (an AVX2-only AMD EPYC: 1.2 against 44 GFLOP/s). A "% of bf16 peak" against an
+    emulated rate would read several hundred percent for cells that train in fp32."""
     import torch
 
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        probe = torch.randn(256, 256, dtype=torch.bfloat16)
-        torch.mm(probe, probe)  # warm-up
-        start = time.perf_counter()
-        torch.mm(probe, probe)
-        size = peak_matmul_size(2 * 256**3 / max(time.perf_counter() - start, 1e-9) / 1e9, size)
+        probe_rate = _probe_rate(torch.bfloat16)
+        if probe_rate < _probe_rate(torch.float32):
+            return None
+        size = peak_matmul_size(probe_rate, size)
         a = torch.randn(size, size, dtype=torch.bfloat16)
         b = torch.randn(size, size, dtype=torch.bfloat16)
         torch.mm(a, b)  # warm-up
@@ -87,7 +102,7 @@ def measure_bf16_peak(threads: int, size: int = 2048, seconds: float = 1.0) -> f
 PEAK_FILE = "bf16_peak.json"
 
 
-def best_bf16_peak(root: Path, measured: float, threads: int = 1) -> float:
+def best_bf16_peak(root: Path, measured: float | None, threads: int = 1) -> float | None:
     """The highest bf16 matmul rate on ``threads`` threads that any bench of this output directory measured,
     ``measured`` included (kept in ``root/bf16_peak.json``, one entry per thread count). A peak is a best case:
     one measured while other work held the cores (a later bench that re-ran a few cells beside other jobs read
@@ -100,6 +115,8 @@ def best_bf16_peak(root: Path, measured: float, threads: int = 1) -> float:
         by_threads = {str(k): float(v) for k, v in stored.get("by_threads", {}).items()}
     except (OSError, ValueError, AttributeError, TypeError):
         by_threads = {}  # none yet (or unreadable: the fresh measurement stands)
+    if measured is None:  # no bf16 in this machine's hardware: an earlier bench's reading, if any, stands
+        return by_threads.get(str(threads))
     best = max(by_threads.get(str(threads), 0.0), measured)
     by_threads[str(threads)] = best
     atomic_write(path, json.dumps({"by_threads": by_threads, "last_measured": {"threads": threads, "gflops_per_s": measured}}))

@@ -374,7 +374,11 @@ def leaderboard_markdown(suite, rows: list[dict[str, Any]], claims: list[dict[st
     if suite.description:
         lines += [suite.description.strip(), ""]
     peak_row = next((r for r in rows if r.get("bf16_peak_gflops_per_s")), None)
-    if peak_row is None:
+    if peak_row is None and any(r.get("gflops_per_round") for r in rows):
+        rate = (": none here (measure_bf16_peak: this machine's bf16 matmuls are slower than its fp32 ones, so bf16 is"
+                " not in its hardware and no % is given)."  # fmt: skip
+        )
+    elif peak_row is None:
         rate = "."
     elif peak_row.get("bf16_peak_threads") is None:  # a leaderboard.json written before the per-thread peak
         rate = f" on all cores ({peak_row['bf16_peak_gflops_per_s']:.0f} GFLOP/s, measured by this bench)."

@@ -422,12 +422,13 @@ def bench(
     # Against the rate of the threads a cell has (one, unless --set run.threads=N): two cells side by side each
     # hold one core, so the all-core rate (2x on two cores) would halve every cell's share of what it could use.
     cell_threads = int(threads)
-    peak = None
+    known, peak = False, None
     if update_published:  # the published leaderboard's own peak: the published rows keep their % of peak
         from .bench_rank import published_peak
 
-        peak = published_peak(suite.name, published, cell_threads)
-    peak = peak or best_bf16_peak(root, measure_bf16_peak(cell_threads), cell_threads)
+        known, peak = published_peak(suite.name, published, cell_threads)
+    if not known:  # None where bf16 is not in this machine's hardware (engine/flops.py)
+        peak = best_bf16_peak(root, measure_bf16_peak(cell_threads), cell_threads)
     rows = leaderboard_rows(suite, cells, peak, cell_threads)
     claims = suite_claim_rows(suite, cells)
     write_leaderboard(suite, rows, root, cells, claims, published_cells if update_published else None)

@@ -390,18 +390,23 @@ def write_ranking(suite: Any, published: dict[str, Any], cells: list[Any], root:
     return [row for rows in ranking["settings"].values() for row in rows]
 
 
-def published_peak(suite_name: str, published: Path | None, threads: int) -> float | None:
-    """The bf16 peak the published leaderboard beside the published cells was set against (its rows'
+def published_peak(suite_name: str, published: Path | None, threads: int) -> tuple[bool, float | None]:
+    """(known, peak): the bf16 peak the published leaderboard beside the published cells was set against (its rows'
     ``bf16_peak_gflops_per_s`` at ``threads`` threads), so that the published methods keep their % of peak when
-    the leaderboard is written again with a method re-run; None when it has none."""
+    the leaderboard is written again with a method re-run. Known with no peak when the published rows counted
+    FLOPs but had none (a machine without bf16 in hardware): the rewrite keeps none rather than measuring one.
+    (False, None) when there is no published leaderboard, or it predates the per-thread peak."""
     path = (Path(published) if published is not None else published_cells_path(suite_name)).parent / "leaderboard.json"
     try:
-        rows = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    peaks = {r.get("bf16_peak_gflops_per_s") for r in rows if isinstance(r, dict) and r.get("bf16_peak_threads") == threads}
+        rows = [r for r in json.loads(path.read_text()) if isinstance(r, dict)]
+    except (OSError, ValueError, TypeError):
+        return False, None
+    peaks = {r.get("bf16_peak_gflops_per_s") for r in rows if r.get("bf16_peak_threads") == threads}
     peaks.discard(None)
-    return max(peaks) if peaks else None
+    if peaks:
+        return True, max(peaks)
+    without = any(r.get("gflops_per_round") for r in rows) and not any(r.get("bf16_peak_gflops_per_s") for r in rows)
+    return without, None
 
 
 def published_result(cell: Any) -> Any:
