@@ -1,6 +1,6 @@
 """A run records the CPU as far as its speed depends on it (environment.json ``cpu_id``), and a leaderboard whose
-cells ran on more than one CPU says so: two hosts sold as "AMD EPYC" differed 2.6x in a round of FedKD (one with
-AVX-512 and bf16, one with AVX2 only), which the name alone did not show."""
+cells ran on more than one CPU says so: two hosts both named "AMD EPYC" differed 3-3.6x in a round of the same run
+(one with AVX-512 and bf16, one with AVX2 only), which the name alone did not show."""
 
 from __future__ import annotations
 

@@ -45,8 +45,8 @@ def cpu_name() -> str:
 
 
 # The instruction sets that decide how fast (and, through the kernels torch picks, in what order of summation)
-# a run's arithmetic goes: two hosts sold under one name ("AMD EPYC") differed 2.6x in a round of FedKD, one with
-# AVX-512 and bf16, one with AVX2 only.
+# a run's arithmetic goes: two hosts under one name ("AMD EPYC") differed 3-3.6x in a round of the same fd-hetero
+# run (Local, FedProto), one with AVX-512 and bf16 (family 25 model 17), one with AVX2 only (family 25 model 1).
 TIMING_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
 
 
