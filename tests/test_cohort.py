@@ -145,6 +145,14 @@ def cohort_run(algorithm: str, cohort, digits, **overrides):
     return sim, history
 
 
+# Methods whose three-round trajectory meets a knife edge where the reordered sums of a batched step grow by orders
+# of magnitude, more on some CPUs than others (relative distance after rounds 1 / 2 / 3). The AVX-512 host: FedNova
+# 4e-8 after round 2, 4e-5 after round 3. The AVX2-only host (no AVX-512: other kernels, other orders of summation):
+# FedLMD-Tf 2.4e-5 / 2.0e-4 / 9.8e-4; FedNova 2.4e-8 / 1.8e-6 / 1.9e-4 (1.3e-4 with the reference code's shift).
+# Their third round is held to 2e-3 and their first round to everyone's 1e-4.
+KNIFE_EDGE = {"fedlmd_tf": 2e-3, "fednova": 2e-3}
+
+
 @pytest.mark.parametrize("algorithm", ["fedavg", "fedprox", "fedntd", "fedlmd", "fedlmd_tf", "fedavg_kd", "fedavg_ls", "scaffold", "fedrs", "feddyn", "moon", "fednova", "fedavgm", "fedadam", "fedcurv"])
 def test_a_cohort_run_keeps_the_sequential_runs_weights_and_accuracy(digits, algorithm):
     """Three rounds of three clients of different sizes (partial last batches), momentum 0.9: the global model
@@ -159,10 +167,18 @@ def test_a_cohort_run_keeps_the_sequential_runs_weights_and_accuracy(digits, alg
     cohort_sim, history = cohort_run(algorithm, 3, digits)
     assert cohort_sim.cohort_steps > 0 and sequential_sim.cohort_steps == 0  # the clients did train as a cohort
     a, b = get_flat(sequential_sim.server.model), get_flat(cohort_sim.server.model)
-    assert float((a - b).norm() / a.norm()) < 1e-4 and float((a - b).abs().max()) < 1e-4
+    tolerance = KNIFE_EDGE.get(algorithm, 1e-4)
+    assert float((a - b).norm() / a.norm()) < tolerance and float((a - b).abs().max()) < tolerance
+    if algorithm in KNIFE_EDGE:  # before the knife edge amplifies the reordered sums: as close as every other method
+        one_sequential, _ = cohort_run(algorithm, None, digits, rounds=1)
+        one_cohort, _ = cohort_run(algorithm, 3, digits, rounds=1)
+        a, b = get_flat(one_sequential.server.model), get_flat(one_cohort.server.model)
+        assert float((a - b).norm() / a.norm()) < 1e-4 and float((a - b).abs().max()) < 1e-4
     for mine, theirs in zip(history, expected):
-        assert abs(mine["test_accuracy"] - theirs["test_accuracy"]) <= 0.1
-        assert mine["train_loss"] == pytest.approx(theirs["train_loss"], rel=1e-6)
+        # the knife-edge methods on the AVX2-only host: one test image of 297 flips (0.34 points) in FedLMD-Tf's
+        # round 3, and the losses move up to 7e-5 (FedNova 3e-6)
+        assert abs(mine["test_accuracy"] - theirs["test_accuracy"]) <= (0.5 if algorithm in KNIFE_EDGE else 0.1)
+        assert mine["train_loss"] == pytest.approx(theirs["train_loss"], rel=1e-4 if algorithm in KNIFE_EDGE else 1e-6)
         assert (mine["bytes_up"], mine["bytes_down"]) == (theirs["bytes_up"], theirs["bytes_down"])
 
 
@@ -184,7 +200,7 @@ def test_fednovas_shift_batches_as_a_gradient_offset(digits):
     sequential_sim, expected = cohort_run("fednova", None, digits, **{"algorithm.ccvr": "fedntd_quirk"})
     cohort_sim, history = cohort_run("fednova", 3, digits, **{"algorithm.ccvr": "fedntd_quirk"})
     a, b = get_flat(sequential_sim.server.model), get_flat(cohort_sim.server.model)
-    assert float((a - b).norm() / a.norm()) < 1e-4 and cohort_sim.cohort_steps > 0
+    assert float((a - b).norm() / a.norm()) < KNIFE_EDGE["fednova"] and cohort_sim.cohort_steps > 0
     assert [r["test_accuracy"] for r in history] == pytest.approx([r["test_accuracy"] for r in expected], abs=0.1)
 
 
