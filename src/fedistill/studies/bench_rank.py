@@ -83,7 +83,7 @@ def published_fingerprint(cfg: Any, setting: str, published: dict[str, Any] | No
     return fingerprint(protocol)
 
 
-def _environment(path: Path) -> dict[str, Any]:
+def cell_environment(path: Path) -> dict[str, Any]:
     """Where a cell ran, from its run directory's environment.json: CPU, torch, fedistill's commit."""
     try:
         env = json.loads((path / "environment.json").read_text())
@@ -138,7 +138,7 @@ def cell_records(cells: list[Any], published: dict[str, Any] | None = None) -> t
         if result is None:
             records.append({**record, "status": "unfinished"})
             continue
-        env = _environment(cell.path)
+        env = cell_environment(cell.path)
         env_id = _environment_id(environments, env)
         accuracy = [a for _, a in result.accuracies]
         flops = flops_of.get((cell.setting, cell.method))

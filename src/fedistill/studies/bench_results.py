@@ -15,7 +15,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from .bench_rank import FLOPS_FILE, competition_ranks, write_cells
+from .bench_rank import FLOPS_FILE, cell_environment, competition_ranks, write_cells
 from ..fileio import atomic_open, atomic_write
 from ..report.groups import stat
 from .reproduce import method_dir_name
@@ -50,11 +50,8 @@ def cell_cpu(cell: Any) -> str:
     if getattr(cell, "published", None) is not None:
         env = getattr(cell, "published_environment", None) or {}
     else:
-        try:
-            env = json.loads((cell.path / "environment.json").read_text())
-        except (OSError, ValueError):
-            env = {}
-    return (env.get("cpu_id") if isinstance(env, dict) else None) or UNRECORDED_CPU
+        env = cell_environment(cell.path)  # what cells.json records of it, read the same way
+    return env.get("cpu_id") or UNRECORDED_CPU
 
 
 def leaderboard_rows(
