@@ -222,18 +222,24 @@ def live_processes(pids) -> set[int]:
 
 
 def child_processes(pid: int) -> set[int]:
-    """Live process ids whose parent is ``pid``."""
+    """Live process ids that descend from ``pid``: its children, theirs, and so on. Worker processes are forked
+    from a fork server (engine/executors.py ``process_context``), a child of ``pid``, so they are grandchildren."""
     from pathlib import Path
 
-    found = set()
+    parents: dict[int, int] = {}
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
                 fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
             except OSError:
                 continue
-            if int(fields[1]) == pid and fields[0] != "Z":
-                found.add(int(entry.name))
+            if fields[0] != "Z":
+                parents[int(entry.name)] = int(fields[1])
+    found: set[int] = set()
+    frontier = {pid}
+    while frontier:
+        frontier = {child for child, parent in parents.items() if parent in frontier and child not in found}
+        found |= frontier
     return found
 
 

@@ -471,7 +471,7 @@ def test_an_abandoned_pool_has_closed_its_wake_up_pipe_before_the_command_exits(
     import multiprocessing
     import time
 
-    from fedistill.engine.executors import abandon_pool
+    from fedistill.engine.processes import abandon_pool
 
     for _ in range(3):
         pool = concurrent.futures.ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn"))
@@ -492,7 +492,7 @@ def test_after_an_abandoned_round_only_the_resource_sharers_connection_resets_ar
     import os
     import sys
 
-    from fedistill.engine.executors import _quiet_resource_sharer_resets
+    from fedistill.engine.processes import _quiet_resource_sharer_resets
 
     monkeypatch.setattr(sys, "excepthook", sys.__excepthook__)
     _quiet_resource_sharer_resets()

@@ -117,7 +117,7 @@ def run_in_parallel(runs: list[tuple[str, Any, Path]], jobs: int, console, name:
     is checked first, so a changed configuration stops everything before any run starts."""
     from concurrent.futures import as_completed
 
-    from .engine.executors import run_pool
+    from .engine.processes import run_pool
     from .engine.interrupts import uninterrupted
 
     todo = [(label, cfg, path) for label, cfg, path in runs if run_state(cfg, path) != "done"]

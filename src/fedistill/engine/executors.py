@@ -14,10 +14,8 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
-import contextlib
-import multiprocessing
 import os
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
@@ -25,6 +23,7 @@ from ..errors import ConfigError
 from ..protocol import Message, RoundInfo
 from .cores import client_threads, usable_cores
 from .interrupts import uninterrupted
+from .processes import abandon_pool, adopt_environment, exit_with_owner, process_context
 
 Task = tuple[int, RoundInfo, Message, dict[str, Any]]  # (client id, round info, broadcast, client state)
 Result = tuple[Message, dict[str, Any]]  # (reply, updated client state)
@@ -165,6 +164,8 @@ def _init_worker(
     train_indices: Mapping[int, torch.Tensor],
     test_indices: Any,
     threads: int,
+    environment: Mapping[str, str],
+    owner: int,
 ) -> None:
     """A worker's client runtime: ``runtime_factory(cfg, dataset, train_indices, test_indices)`` (the parent's
     ClientRuntime class with its algorithm factory bound; pickled by reference, so the worker imports it)."""
@@ -172,29 +173,13 @@ def _init_worker(
     from .perf import keep_freed_memory_in_heap
 
     global _WORKER_RUNTIME
-    exit_with_parent()
+    adopt_environment(environment)
+    exit_with_owner(owner)
     torch.set_num_threads(threads)
     cfg = build_config(config)
     if cfg.run.tune_allocator:
         keep_freed_memory_in_heap()
     _WORKER_RUNTIME = runtime_factory(cfg, dataset, train_indices, test_indices)
-
-
-def exit_with_parent(poll_seconds: float = 1.0) -> None:
-    """End this worker when the process that started it is gone (killed with SIGKILL, or by a signal it did
-    not handle): otherwise the worker lives on, re-parented to init, holding its memory. A daemon thread
-    checks the parent id once a second; on a clean shutdown the pool stops the worker first."""
-    import threading
-    import time
-
-    parent = os.getppid()
-
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(poll_seconds)
-        os._exit(1)
-
-    threading.Thread(target=watch, name="fedistill-parent-watch", daemon=True).start()
 
 
 def _run_task(cid: int, info: RoundInfo, msg: dict[str, Any], state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -207,7 +192,7 @@ def _evaluate_task(cid: int, info: RoundInfo, msg: dict[str, Any], state: dict[s
 
 
 class ProcessPoolExecutor:
-    """Clients in ``workers`` spawned processes; the dataset tensors are shared, not copied."""
+    """Clients in ``workers`` processes (``process_context``); the dataset tensors are shared, not copied."""
 
     def __init__(
         self, cfg: Any, dataset: Any, federation: Any, workers: int, threads: int, runtime_factory: Callable[..., Any]
@@ -220,12 +205,11 @@ class ProcessPoolExecutor:
         # Views, not one tensor per client: a generated federation (synthetic) makes a client's indices on demand.
         train = federation.train_map()
         test = federation.test_map()
-        # spawn, not fork: forking a process whose OpenMP runtime is already initialised can deadlock.
         self._pool = concurrent.futures.ProcessPoolExecutor(
             max_workers=workers,
-            mp_context=multiprocessing.get_context("spawn"),
+            mp_context=process_context(),
             initializer=_init_worker,
-            initargs=(runtime_factory, cfg.to_dict(), dataset, train, test, threads),
+            initargs=(runtime_factory, cfg.to_dict(), dataset, train, test, threads, dict(os.environ), os.getpid()),
         )
 
     def run(self, tasks: Sequence[Task], in_flight: InFlight = None) -> list[Result]:
@@ -283,70 +267,6 @@ class ProcessPoolExecutor:
             self._pool.shutdown(wait=True, cancel_futures=True)
 
 
-def abandon_pool(pool: concurrent.futures.ProcessPoolExecutor) -> None:
-    """Stop a process pool whose running tasks are thrown away (an interrupted round; an interrupted bench, whose
-    cells resume from their checkpoints): its workers are terminated, not waited for."""
-    # CPython's record of the pool's worker processes (pid -> Process), read before shutdown clears it.
-    workers = list((getattr(pool, "_processes", None) or {}).values())
-    # The pool's manager thread, also read before shutdown forgets it: see the join below.
-    manager = getattr(pool, "_executor_manager_thread", None)
-    with uninterrupted():
-        pool.shutdown(wait=False, cancel_futures=True)
-    _quiet_resource_sharer_resets()
-    for process in workers:
-        process.terminate()
-    for process in workers:
-        process.join(timeout=10)
-    # Let the manager thread see its workers gone and close its wake-up pipe before we return. Otherwise the
-    # command can exit (143) while that thread is still closing the pipe, and CPython 3.11's exit hook
-    # (concurrent.futures.process._python_exit) writes to it as it closes: "OSError: Bad file descriptor" and a
-    # traceback after our clean "terminated: ..." line. 3.12 takes a lock there; 3.11 does not.
-    if manager is not None:
-        manager.join(timeout=10)
-
-
-@contextlib.contextmanager
-def run_pool(jobs: int) -> Iterator[concurrent.futures.ProcessPoolExecutor]:
-    """``jobs`` spawned processes for whole runs (``reproduce --jobs``, ``bench --jobs``; no forked torch state,
-    plugins travel in $FEDISTILL_PLUGINS). A run process ends with the command, however it ends: interrupted
-    (SIGTERM, Ctrl-C), the running runs are stopped, not waited for, and resume from their last checkpoints;
-    killed, each process sees its parent gone within a second, instead of writing on, orphaned, into the run
-    directories that the next command resumes. Submit under ``uninterrupted()``."""
-    pool = concurrent.futures.ProcessPoolExecutor(
-        max_workers=jobs, mp_context=multiprocessing.get_context("spawn"), initializer=exit_with_parent
-    )
-    try:
-        yield pool
-    except KeyboardInterrupt:
-        abandon_pool(pool)
-        raise
-    finally:
-        pool.shutdown(wait=True, cancel_futures=True)
-
-
-def _quiet_resource_sharer_resets() -> None:
-    """A worker terminated while it fetched a task's shared tensors leaves multiprocessing's resource-sharer
-    thread (which hands tensor storage to workers) with a reset connection, which it reports through
-    sys.excepthook as a traceback. After an abandoned round that is expected: drop those reports, and only those."""
-    import sys
-
-    previous = sys.excepthook
-    if getattr(previous, "_fedistill_quiet_resets", False):
-        return
-
-    def hook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
-        frames, step = [], tb
-        while step is not None:
-            frames.append(step.tb_frame.f_code.co_filename)
-            step = step.tb_next
-        if issubclass(kind, ConnectionError) and any(f.endswith(os.path.join("multiprocessing", "resource_sharer.py")) for f in frames):
-            return
-        previous(kind, value, tb)
-
-    hook._fedistill_quiet_resets = True  # type: ignore[attr-defined]
-    sys.excepthook = hook
-
-
 def check_workers(cfg: Any) -> None:
     """Refuse worker settings this machine cannot honour; called before any work (and by make_executor)."""
     workers = cfg.run.workers
@@ -363,7 +283,7 @@ def check_workers(cfg: Any) -> None:
     script = unguarded_main_script()
     if script is not None:
         raise ConfigError(
-            f"run.workers: {workers} worker processes would each run {script} again (a spawned process imports the "
+            f"run.workers: {workers} worker processes would each run {script} again (a worker process imports the "
             "main script first); call fedistill.run under `if __name__ == \"__main__\":`, or use run.workers=auto or 1"
         )
     threads = client_threads(cfg)
@@ -464,8 +384,8 @@ def make_executor(
 def unguarded_main_script() -> str | None:
     """The path of the script that worker processes would run again, or None when starting them is safe.
 
-    Worker processes are spawned, and a spawned process imports the parent's ``__main__`` script again before it
-    does anything else. A script that calls ``fedistill.run`` at its top level, outside ``if __name__ ==
+    A worker process, spawned or forked from the fork server (``process_context``), imports the parent's
+    ``__main__`` script again before it does anything else. A script that calls ``fedistill.run`` at its top level, outside ``if __name__ ==
     "__main__":``, would start the whole run again in every worker. Safe: no script (an interactive session,
     ``python -c``, a notebook), or the call made under that guard (the CLI's entry point, pytest, a guarded
     script), or from code the script's top level did not reach directly."""

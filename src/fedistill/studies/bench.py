@@ -403,7 +403,7 @@ def bench(
     elif todo:
         from concurrent.futures import as_completed
 
-        from ..engine.executors import run_pool
+        from ..engine.processes import run_pool
         from ..engine.interrupts import uninterrupted
 
         with run_pool(jobs) as pool:  # an interrupted bench stops its cells; they resume from their checkpoints
