@@ -406,9 +406,30 @@ def test_dafkd_cannot_be_combined_either_way():
         make_algorithm(small_config(algorithm="dafkd", **{"algorithm.plus": {"fedprox": {}}}))
 
 
-@pytest.mark.parametrize("importance", ["discriminator", "uniform"])
-def test_dafkd_learns_on_label_skewed_digits(digits, importance):
-    assert_learns(digits, "dafkd", **QUICK, **{"algorithm.importance": importance})
+def test_dafkd_learns_on_label_skewed_digits(digits):
+    assert_learns(digits, "dafkd", **QUICK)
+
+
+def test_uniform_importance_gives_every_teacher_one_over_k_on_every_sample(digits, monkeypatch):
+    """``importance: uniform`` (Table 3's "no correlation"): α̂ = 1/K_t in the mixed teacher of every server step.
+    This was a second 15-round run of test_dafkd_learns_on_label_skewed_digits, whose accuracy matched the
+    discriminator's in every round to 0.1 % (the server step moves these weights by 1e-5): it showed the path
+    runs, not what it computes."""
+    import fedistill.algorithms.dafkd as dafkd_module
+
+    seen: list[tuple[int, torch.Tensor]] = []
+    original = dafkd_module.mixed_teacher
+
+    def spy(teacher_logits, log_alpha, *args, **kwargs):
+        seen.append((teacher_logits.shape[0], log_alpha.clone()))
+        return original(teacher_logits, log_alpha, *args, **kwargs)
+
+    monkeypatch.setattr(dafkd_module, "mixed_teacher", spy)
+    Simulation(small_config(rounds=2, **DAFKD, **QUICK, **{"algorithm.importance": "uniform"}), digits).run()
+    assert seen  # round 2 distils (round 1 is the plain average)
+    for teachers, log_alpha in seen:
+        assert teachers == 3 and log_alpha.shape[0] == 3 and log_alpha.shape[1] == 64  # 3 clients, 64 samples
+        torch.testing.assert_close(log_alpha.exp(), torch.full_like(log_alpha, 1 / 3))
 
 
 def test_resume_equals_uninterrupted_generator_and_discriminators_included(digits, tmp_path):
@@ -526,6 +547,8 @@ def test_code_penalty_on_the_sigmoid_runs_away_on_one_class_clients_under_sgd_an
             reply = sim.client_runtime.update(cid, info, sim.server_runtime.broadcast(info, cid), {})
             weights = reply["weights"]
             largest[on].append(float(weights.abs().max()) if torch.isfinite(weights).all() else math.inf)
+            if on == "sigmoid" and largest[on][-1] > 1e3:
+                break  # one runaway client is the claim; every client must stay bounded under the logit's penalty
     assert max(largest["sigmoid"]) > 1e3, largest  # the runaway
     assert max(largest["logit"]) < 10, largest  # bounded: the initial weights are below 1
 
@@ -555,6 +578,8 @@ def test_sgd_with_momentum_on_the_joint_step_runs_away_on_one_class_clients_and_
             assert sim.federation.dataset.train_y[sim.federation.train_indices[cid]].unique().numel() == 1
             weights = sim.client_runtime.update(cid, info, sim.server_runtime.broadcast(info, cid), {})["weights"]
             largest[name].append(float(weights.abs().max()) if torch.isfinite(weights).all() else math.inf)
+            if name == "sgd, momentum 0.9" and largest[name][-1] > 1e3:
+                break  # one runaway client is the claim; the bounded runs check all three
     assert max(largest["sgd, momentum 0.9"]) > 1e3, largest  # the runaway (non-finite here)
     assert max(largest["sgd, no momentum"]) < 2, largest  # the initial weights are below 0.4
     assert max(largest["adam (default: the discriminator trains in every epoch here)"]) < 2, largest
