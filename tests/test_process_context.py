@@ -99,3 +99,16 @@ def test_a_worker_ends_when_its_owner_is_killed_though_its_parent_the_fork_serve
         owner.kill()
         if worker is not None and live_processes({worker}):
             os.kill(worker, signal.SIGKILL)
+
+
+def test_without_proc_a_process_is_known_by_a_signal_zero(monkeypatch):
+    """macOS has no /proc: there a live pid is known (with no start time) and a reaped one is gone, rather than
+    every owner looking gone at once, which would end each worker as it starts."""
+    import fedistill.engine.processes as processes
+
+    real_isdir = os.path.isdir
+    monkeypatch.setattr(processes.os.path, "isdir", lambda path: False if path == "/proc/self" else real_isdir(path))
+    assert process_identity(os.getpid()) == (os.getpid(), "")
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    assert process_identity(child.pid) is None

@@ -18,9 +18,9 @@ from typing import Any, Iterator, Mapping
 from .interrupts import uninterrupted
 
 # What the fork server imports once, so that a worker forked from it starts in milliseconds. A spawned process
-# imports torch and fedistill itself: 3.5-9 s a process on an AVX2-only AMD EPYC (4 s idle, more beside a run),
-# paid again by every pool (each bench --jobs, each run.workers run). torch._dynamo too: torch.optim imports it on
-# its first parameter group, 1.8-7.7 s more in every process that trains (benchmarks/RESULTS.md, "Worker start").
+# imports them itself, about 5 s on an idle AVX2-only AMD EPYC (torch 2.2 s, fedistill 0.5 s, and torch._dynamo
+# 2.1 s, which torch.optim imports on its first step), and every pool paid that again: 6-7 s for a pool of two, each
+# bench --jobs, each run.workers run (benchmarks/RESULTS.md, "Worker start").
 FORK_SERVER_PRELOAD = ["torch", "torch._dynamo", "fedistill.algorithms", "fedistill.models", "fedistill.runs", "fedistill.engine.loop"]
 
 
@@ -29,8 +29,9 @@ def process_context() -> Any:
     platform has one (Linux, macOS), else spawn (Windows). Never plain fork: forking a process whose OpenMP
     runtime has run a parallel region can deadlock; the fork server forks from a process that has only imported
     (no tensor op ever ran in it), as DataLoader workers fork after torch's import. A worker still imports the
-    parent's ``__main__`` script first, as a spawned one does (engine/executors.py ``unguarded_main_script``), and takes the parent's
-    environment as it is when the pool starts (``adopt_environment``), not as it was when the server started."""
+    parent's ``__main__`` script first, as a spawned one does (engine/executors.py ``unguarded_main_script``), and
+    takes the parent's environment as it is when the pool starts (``adopt_environment``), not as it was when the
+    server started."""
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return multiprocessing.get_context("spawn")
     context = multiprocessing.get_context("forkserver")
@@ -61,11 +62,7 @@ def process_identity(pid: int) -> tuple[int, str] | None:
     watched (``exit_with_owner``)."""
     if os.name == "nt":
         return (pid, "")
-    try:
-        fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-    except FileNotFoundError:
-        return None
-    except OSError:  # no /proc (macOS): a signal 0 says whether the pid is in use
+    if not os.path.isdir("/proc/self"):  # no /proc (macOS): a signal 0 says whether the pid is in use
         try:
             os.kill(pid, 0)
         except ProcessLookupError:
@@ -73,6 +70,11 @@ def process_identity(pid: int) -> tuple[int, str] | None:
         except PermissionError:
             pass
         return (pid, "")
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            fields = stat.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
     return None if fields[0] in ("Z", "X") else (pid, fields[19])
 
 
