@@ -1,4 +1,4 @@
-"""Worker processes come from a fork server (engine/executors.py ``process_context``): they start without
+"""Worker processes come from a fork server (engine/processes.py ``process_context``): they start without
 importing torch again, yet see the parent's environment as it is when their pool starts, and end with the
 process whose pool they serve, which is not their parent."""
 
