@@ -34,7 +34,7 @@ run: install
 # cores poorly inside one process (three were slower). On two idle cores: 4 min 10 s to 5 min 10 s on AVX-512 AMD
 # EPYC hosts (1,647 tests at 06:33 on 2026-12-07, 1,657 at 14:12 on another, 1,658 at 18:02 and 1,660 at 20:44 and 21:30
 # on that one); on an AVX2-only AMD EPYC (its rounds are 3-3.6x slower) 14 min 22 s for 1,666 (00:08 on 2026-12-08),
-# then 13:00 and 10:13 for 1,670 with worker processes forked from a fork server (02:12 and 02:51); CI's host took 332 s
+# then 13:00, 10:13 and 12:07 for 1,670-1,671 with worker processes forked from a fork server (02:12, 02:51, 03:09); CI's host took 332 s
 # for 1,658, and 1,072 s with the install at stop 82; tests/test_cuda.py skips without CUDA. benchmarks/RESULTS.md, "The suite's time". --durations=20
 # prints the slowest tests, so a CI log shows where its host spends the time.
 test: install-test
