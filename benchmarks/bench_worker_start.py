@@ -4,9 +4,10 @@ server (engine/executors.py ``process_context``: those imports made once, in the
 
     python benchmarks/bench_worker_start.py [--workers 2] [--pools 3]
 
-Prints one line per pool: the seconds from creating the pool to every worker having taken one SGD step. The first
-fork-server pool includes starting the server. Run it on an idle machine; results in benchmarks/RESULTS.md,
-"Worker start"."""
+Prints one line per pool: the seconds from creating the pool to the end of ``--workers`` tasks, each a first SGD
+step in a process that has not trained (a pool that starts fast may run them all in one worker: the line says in
+how many). The first fork-server pool includes starting the server. Run it on an idle machine; results in
+benchmarks/RESULTS.md, "Worker start"."""
 
 from __future__ import annotations
 
@@ -43,7 +44,7 @@ def main() -> None:
             start = time.perf_counter()
             with concurrent.futures.ProcessPoolExecutor(args.workers, mp_context=context) as pool:
                 pids = set(pool.map(first_step, range(args.workers)))
-            print(f"{name:11s} pool {pool_number}: {time.perf_counter() - start:6.2f} s for {len(pids)} workers' first step", flush=True)
+            print(f"{name:11s} pool {pool_number}: {time.perf_counter() - start:6.2f} s for {args.workers} tasks in {len(pids)} worker(s)", flush=True)
 
 
 if __name__ == "__main__":
