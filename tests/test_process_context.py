@@ -4,6 +4,7 @@ process whose pool they serve, which is not their parent."""
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import signal
 import subprocess
@@ -14,7 +15,7 @@ import pytest
 
 from fedistill.engine.processes import process_context, process_identity, run_pool
 
-pytestmark = pytest.mark.skipif("forkserver" not in __import__("multiprocessing").get_all_start_methods(), reason="no fork server on this platform")
+pytestmark = pytest.mark.skipif("forkserver" not in multiprocessing.get_all_start_methods(), reason="no fork server on this platform")
 
 
 def _variable(name: str) -> str | None:
